@@ -1,0 +1,60 @@
+"""The reward contract shared by every reward model (see DESIGN.md, "rewards").
+
+A reward is a callable ``reward(images, prompts, metadata=None) -> RewardOutput``. ``images`` is a float
+tensor ``[B, 3, H, W]`` in [0, 1], a uint8 tensor, or a list of PIL images; videos are ``[B, T, 3, H, W]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+__all__ = ["RewardOutput", "register", "load", "available"]
+
+
+@dataclass
+class RewardOutput:
+    """Scores of one batch: ``scores`` is the training scalar, ``components`` every part of it, all ``[B]``."""
+
+    scores: torch.Tensor
+    components: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.scores = torch.as_tensor(self.scores, dtype=torch.float32)
+        if self.scores.ndim != 1:
+            raise ValueError(f"RewardOutput.scores must be 1-D [B], got shape {tuple(self.scores.shape)}")
+        batch = self.scores.shape[0]
+        for name, value in list(self.components.items()):
+            value = torch.as_tensor(value, dtype=torch.float32)
+            if value.shape != (batch,):
+                raise ValueError(f"RewardOutput component {name!r} has shape {tuple(value.shape)}, expected ({batch},)")
+            self.components[name] = value
+
+
+_REGISTRY: dict[str, Callable[..., object]] = {}
+
+
+def register(name: str):
+    """Class/function decorator: make a reward constructible as ``rewards.load(name, **kwargs)``."""
+
+    def wrap(factory):
+        if name in _REGISTRY and _REGISTRY[name] is not factory:
+            raise ValueError(f"reward name {name!r} registered twice")
+        _REGISTRY[name] = factory
+        return factory
+
+    return wrap
+
+
+def available() -> list[str]:
+    """Names accepted by :func:`load`."""
+    return sorted(_REGISTRY)
+
+
+def load(name: str, **kwargs):
+    """Build a reward by its config name, e.g. ``rewards.load("geneval", detector="shapes")``."""
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown reward {name!r}; available: {', '.join(available()) or '(none)'}")
+    return _REGISTRY[name](**kwargs)

@@ -1,0 +1,128 @@
+"""The rollout engine: integrate a velocity field from noise to data, SDE on chosen steps, ODE elsewhere,
+recording every state and the exact log-probability of every stochastic transition."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .solvers import dpm_solver_2m_step
+from .steps import ode_step, sde_step
+
+__all__ = ["Trajectory", "rollout", "SOLVERS"]
+
+SOLVERS = ("euler", "dpm++2m")
+VelocityFn = Callable[[torch.Tensor, float], torch.Tensor]
+
+
+@dataclass
+class Trajectory:
+    """What a rollout records.
+
+    Attributes:
+        latents: every state, ``[B, T+1, ...]`` float32; ``latents[:, i]`` is at ``sigmas[i]``.
+        log_probs: ``[B, T]`` exact log π of each SDE transition (0 where the step was an ODE step).
+        sde_mask: ``[B, T]`` bool, which transitions were stochastic (the trainable ones).
+        sigmas: ``[T+1]`` the schedule that was integrated.
+        nfe: number of ``velocity_fn`` calls (one per step, whatever the batch).
+    """
+
+    latents: torch.Tensor
+    log_probs: torch.Tensor
+    sde_mask: torch.Tensor
+    sigmas: torch.Tensor
+    nfe: int
+
+    @property
+    def final(self) -> torch.Tensor:
+        """The last state ``[B, ...]``."""
+        return self.latents[:, -1]
+
+
+def _normalise_mask(sde_mask, batch: int, steps: int, device) -> torch.Tensor:
+    mask = torch.as_tensor(sde_mask, dtype=torch.bool, device=device)
+    if mask.ndim == 1:
+        if mask.shape[0] != steps:
+            raise ValueError(f"sde_mask has {mask.shape[0]} steps but sigmas describe {steps}")
+        return mask.unsqueeze(0).expand(batch, steps)
+    if mask.shape != (batch, steps):
+        raise ValueError(f"sde_mask must be [T]={steps} or [B, T]=({batch}, {steps}), got {tuple(mask.shape)}")
+    return mask
+
+
+@torch.no_grad()
+def rollout(
+    velocity_fn: VelocityFn,
+    noise: torch.Tensor,
+    sigmas: torch.Tensor | Sequence[float],
+    sde_mask: torch.Tensor | Sequence[bool],
+    *,
+    kernel: str = "flow_grpo",
+    noise_level: float = 0.7,
+    solver: str = "euler",
+    generator: torch.Generator | None = None,
+) -> Trajectory:
+    """Sample a batch of trajectories (no grad).
+
+    Args:
+        velocity_fn: ``velocity_fn(x, sigma) -> v`` with ``sigma`` a float shared by the batch.
+        noise: initial state at ``sigmas[0]`` (normally 1), ``[B, ...]``.
+        sigmas: decreasing schedule ``[T+1]``.
+        sde_mask: bool ``[T]`` or ``[B, T]``; True steps use ``sde_step`` with ``kernel``.
+        solver: ODE solver for the deterministic steps. ``"dpm++2m"`` uses DPM-Solver++(2M) on the steps
+            after a sample's last SDE step (MixGRPO-Flash); steps before it stay Euler, so the trained
+            transitions are unchanged. The first DPM step after an SDE step has no history across the
+            stochastic jump and is first order.
+    """
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown ODE solver {solver!r}; choose one of {SOLVERS}")
+    sigmas = torch.as_tensor(sigmas, dtype=torch.float32).cpu()
+    steps = sigmas.shape[0] - 1
+    if steps < 1:
+        raise ValueError("sigmas must hold at least two values")
+    if torch.any(sigmas[1:] >= sigmas[:-1]):
+        raise ValueError("sigmas must be strictly decreasing")
+    batch = noise.shape[0]
+    device = noise.device
+    mask = _normalise_mask(sde_mask, batch, steps, device)
+    steps_idx = torch.arange(steps, device=device)
+    # Index of each sample's last SDE step (−1 when none): DPM-Solver++ runs only after it.
+    last_sde = torch.where(mask, steps_idx, torch.full_like(steps_idx, -1)).amax(dim=1)
+
+    x = noise.float()
+    latents = [x]
+    log_probs = torch.zeros(batch, steps, dtype=torch.float32, device=device)
+    prev_x0: torch.Tensor | None = None
+    for i in range(steps):
+        sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
+        v = velocity_fn(x, sigma).float()
+        row_sde = mask[:, i]
+        out = ode_step(v, x, sigma, sigma_next).prev_sample
+        if solver == "dpm++2m":
+            x0 = x - sigma * v
+            use_dpm = steps_idx[i] > last_sde
+            if use_dpm.any():
+                # History only where the previous step was itself a deterministic post-window step.
+                has_hist = (steps_idx[i] - 1 > last_sde) & (i > 0)
+                dpm_first = dpm_solver_2m_step(x, x0, sigma, sigma_next)
+                if prev_x0 is not None and has_hist.any():
+                    dpm_second = dpm_solver_2m_step(x, x0, sigma, sigma_next, prev_x0_pred=prev_x0,
+                                                    prev_sigma=float(sigmas[i - 1]))
+                    dpm = torch.where(_rows(has_hist, x), dpm_second, dpm_first)
+                else:
+                    dpm = dpm_first
+                out = torch.where(_rows(use_dpm, x), dpm, out)
+            prev_x0 = x0
+        if row_sde.any():
+            step = sde_step(v, x, sigma, sigma_next, kernel=kernel, noise_level=noise_level, generator=generator)
+            out = torch.where(_rows(row_sde, x), step.prev_sample, out)
+            log_probs[:, i] = torch.where(row_sde, step.log_prob, torch.zeros_like(step.log_prob))
+        x = out
+        latents.append(x)
+    return Trajectory(latents=torch.stack(latents, dim=1), log_probs=log_probs, sde_mask=mask, sigmas=sigmas, nfe=steps)
+
+
+def _rows(row_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return row_mask.view(-1, *([1] * (like.ndim - 1)))
