@@ -1,0 +1,22 @@
+"""Model adapters: diffusers flow-matching pipelines seen as encode → noise → velocity → decode.
+
+>>> from flowgrpo.models import load_adapter
+>>> adapter = load_adapter("sd3", "tiny-random:sd3")
+"""
+
+from .base import FlowAdapter, PromptEmbeds
+from .flux import FluxAdapter
+from .load import load_adapter
+from .sd3 import SD3Adapter
+from .tiny import build_tiny_pipeline
+from .wan import WanAdapter
+
+__all__ = [
+    "FlowAdapter",
+    "FluxAdapter",
+    "PromptEmbeds",
+    "SD3Adapter",
+    "WanAdapter",
+    "build_tiny_pipeline",
+    "load_adapter",
+]

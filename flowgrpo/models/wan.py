@@ -1,0 +1,88 @@
+"""Wan 2.1 text-to-video (``WanPipeline``) as a flow adapter."""
+
+from __future__ import annotations
+
+import torch
+from diffusers import WanPipeline
+
+from .base import FlowAdapter, PromptEmbeds
+
+__all__ = ["WanAdapter"]
+
+
+class WanAdapter(FlowAdapter):
+    r"""
+    Adapter for `WanPipeline` with one transformer (Wan 2.1 T2V 1.3B / 14B, Wan 2.2 TI2V 5B).
+
+    Latents are `[B, C, F, H/8, W/8]` with F = (num_frames − 1)/4 + 1, float32 as the pipeline keeps them; the
+    transformer takes σ·1000 (per token with Wan 2.2's `expand_timesteps`). Wan ships a UniPC scheduler: it is
+    replaced by `FlowMatchEulerDiscreteScheduler` with the same `flow_shift` (our samplers step Euler on explicit
+    sigmas). Two-expert pipelines (Wan 2.2 A14B, `transformer_2`) are not supported.
+
+    Example:
+        ```py
+        >>> from flowgrpo.models import WanAdapter, build_tiny_pipeline
+        >>> adapter = WanAdapter.from_pipeline(build_tiny_pipeline("wan"))
+        >>> x = adapter.prepare_noise(1, height=32, width=32, num_frames=9)
+        >>> x.shape
+        torch.Size([1, 16, 3, 4, 4])
+        ```
+    """
+
+    pipeline_class = WanPipeline
+    family = "wan"
+    is_video = True
+
+    def __init__(self, pipe: WanPipeline):
+        if getattr(pipe, "transformer_2", None) is not None or pipe.transformer is None:
+            raise NotImplementedError(
+                "WanAdapter supports single-transformer Wan pipelines; this one has `transformer_2` (Wan 2.2 A14B "
+                "two-expert) or no `transformer`."
+            )
+        super().__init__(pipe)
+
+    def _encode(self, prompts, negative_prompt, max_sequence_length) -> PromptEmbeds:
+        embeds, negative = self.pipe.encode_prompt(
+            prompt=prompts,
+            negative_prompt=negative_prompt,
+            do_classifier_free_guidance=negative_prompt is not None,
+            device=self.pipe._execution_device,
+            **self._pipeline_kwargs(max_sequence_length),
+        )
+        # As the pipeline: embeddings in the transformer's dtype (the T5 may run in another one).
+        return PromptEmbeds(embeds.to(self.dtype), None, None if negative is None else negative.to(self.dtype))
+
+    def _latent_shape(self, batch_size, height, width, num_frames) -> tuple[int, ...]:
+        if num_frames is None:
+            raise ValueError("Wan generates videos: pass num_frames.")
+        temporal, spatial = self.pipe.vae_scale_factor_temporal, self.pipe.vae_scale_factor_spatial
+        if (num_frames - 1) % temporal:
+            raise ValueError(f"Wan needs num_frames = {temporal}·k + 1; got {num_frames}.")
+        _, patch_h, patch_w = self.pipe.transformer.config.patch_size
+        if height % (spatial * patch_h) or width % (spatial * patch_w):
+            multiple = (spatial * patch_h, spatial * patch_w)
+            raise ValueError(f"Wan needs height, width divisible by {multiple}; got {height}x{width}.")
+        channels = self.pipe.transformer.config.in_channels
+        return (batch_size, channels, (num_frames - 1) // temporal + 1, height // spatial, width // spatial)
+
+    def _forward(self, x, timestep, cond, guidance_scale) -> torch.Tensor:
+        if self.pipe.config.get("expand_timesteps", False):
+            # Wan 2.2 TI2V: one timestep per latent token (2x2 patches), as the pipeline's mask[:, ::2, ::2].
+            tokens = x[0, 0, :, ::2, ::2].numel()
+            timestep = timestep[:, None].expand(-1, tokens)
+        return self.transformer(
+            hidden_states=x,
+            timestep=timestep,
+            encoder_hidden_states=cond.prompt_embeds,
+            return_dict=False,
+        )[0]
+
+    def _decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        vae = self.pipe.vae
+        latents = latents.to(vae.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean, device=latents.device, dtype=latents.dtype).view(shape)
+        # Written as the pipeline writes it (divide by 1/std), which keeps the output bit-identical.
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std, device=latents.device, dtype=latents.dtype).view(shape)
+        video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
+        return self.pipe.video_processor.postprocess_video(video, output_type="pt")
