@@ -1,5 +1,6 @@
 """Reward models usable on their own: ``from rewards import load``. Never imports ``flowgrpo``."""
 
 from .base import RewardOutput, available, load, register
+from .geneval import GenEval  # registers "geneval"
 
-__all__ = ["RewardOutput", "available", "load", "register"]
+__all__ = ["GenEval", "RewardOutput", "available", "load", "register"]

@@ -1,0 +1,56 @@
+"""The embedded "shapes" world (DESIGN.md, "The embedded world"): a renderer and GenEval-style prompts.
+
+Everything here is pure numpy/PIL so that tests, the tiny-pipeline pretraining and the evaluation
+scripts can draw ground-truth scenes for any GenEval metadata dict (positives and negatives alike)::
+
+    >>> from flowgrpo.world import metadata_for, render
+    >>> meta = metadata_for("position", classes=("circle", "triangle"), relation="left of")
+    >>> meta["prompt"]
+    'a photo of a circle left of a triangle'
+    >>> render(meta, seed=0).size
+    (64, 64)
+"""
+
+from .prompts import (
+    COUNT_WORDS,
+    PERTURBATIONS,
+    RELATIONS,
+    TAGS,
+    all_metadata,
+    metadata_for,
+    perturb,
+    prompt_for,
+    split_prompts,
+)
+from .render import (
+    BACKGROUND,
+    CLASSES,
+    PALETTE,
+    Shape,
+    draw,
+    render,
+    render_array,
+    sample_scene,
+    shape_box,
+)
+
+__all__ = [
+    "BACKGROUND",
+    "CLASSES",
+    "COUNT_WORDS",
+    "PALETTE",
+    "PERTURBATIONS",
+    "RELATIONS",
+    "TAGS",
+    "Shape",
+    "all_metadata",
+    "draw",
+    "metadata_for",
+    "perturb",
+    "prompt_for",
+    "render",
+    "render_array",
+    "sample_scene",
+    "shape_box",
+    "split_prompts",
+]

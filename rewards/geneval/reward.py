@@ -1,0 +1,135 @@
+"""The ``geneval`` reward: a detector + the GenEval rule engine (:mod:`rewards.geneval.rules`).
+
+Components of the returned :class:`~rewards.RewardOutput` (all ``[B]`` float32):
+
+- ``partial`` (= ``scores``): Flow-GRPO's partial credit, the training scalar. With the default
+  ``partial_credit="flowgrpo"`` it is bit-for-bit the reference reward server's, so it can be negative
+  (count credit unclipped) -- see :mod:`rewards.geneval.rules`; ``"clipped"`` keeps it in [0, 1].
+- ``strict``: GenEval's benchmark verdict (0/1); its per-tag mean is the GenEval score.
+- ``exact``: Flow-GRPO's ``strict_correct`` (0/1): exact counts, no exclude clauses.
+- ``strict/<tag>``, ``partial/<tag>`` for the six tags: the sample's value where the sample has that tag
+  and **NaN elsewhere** (Flow-GRPO uses -10 there); average them with ``torch.nanmean``. Every key is
+  present in every batch, so loggers see a fixed set of columns.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from ..base import RewardOutput, register
+from .images import to_uint8_images
+from .rules import (
+    COUNTING_THRESHOLD,
+    MAX_OBJECTS,
+    POSITION_THRESHOLD,
+    TAGS,
+    THRESHOLD,
+    Verdict,
+    judge,
+    validate_metadata,
+)
+from .shapes import ShapesDetector
+
+__all__ = ["GenEval"]
+
+
+@register("geneval")
+class GenEval:
+    """GenEval reward over a detector: ``reward(images, prompts, metadata) -> RewardOutput``.
+
+    Args:
+        detector: ``"shapes"`` (the embedded world, no weights), ``"real"`` (Mask2Former + CLIP, see
+            :class:`rewards.geneval.real.RealDetector`) or any callable
+            ``detector(list_of_uint8_HWC_arrays, metadata_list) -> [{class: [Detection, ...]}, ...]``
+            with optional ``classes`` / ``colors`` attributes used to validate the metadata.
+        threshold, counting_threshold, max_objects, position_threshold: GenEval's constants.
+        partial_credit: ``"flowgrpo"`` (reference-exact) or ``"clipped"``.
+        **detector_kwargs: passed to the named detector (e.g. ``detector_path=``, ``clip_path=``, ``device=``).
+
+    >>> import numpy as np, rewards
+    >>> img = np.full((64, 64, 3), 255, np.uint8); img[20:30, 10:20] = (220, 30, 30)
+    >>> reward = rewards.load("geneval", detector="shapes")
+    >>> out = reward([img], ["a photo of a red square"],
+    ...              [{"tag": "colors", "include": [{"class": "square", "count": 1, "color": "red"}]}])
+    >>> out.scores.tolist(), out.components["strict"].tolist()
+    ([1.0], [1.0])
+    """
+
+    def __init__(
+        self,
+        detector: str | object = "shapes",
+        *,
+        threshold: float = THRESHOLD,
+        counting_threshold: float = COUNTING_THRESHOLD,
+        max_objects: int = MAX_OBJECTS,
+        position_threshold: float = POSITION_THRESHOLD,
+        partial_credit: str = "flowgrpo",
+        **detector_kwargs,
+    ):
+        if partial_credit not in ("flowgrpo", "clipped"):
+            raise ValueError(f"partial_credit must be 'flowgrpo' or 'clipped', got {partial_credit!r}")
+        if detector == "shapes":
+            self.detector = ShapesDetector(**detector_kwargs)
+        elif detector == "real":
+            from .real import RealDetector  # transformers is imported only for this path
+
+            self.detector = RealDetector(**detector_kwargs)
+        elif isinstance(detector, str):
+            raise ValueError(f"unknown GenEval detector {detector!r}; expected 'shapes' or 'real' (or a detector object)")
+        elif callable(detector):
+            if detector_kwargs:
+                raise ValueError(f"detector kwargs {sorted(detector_kwargs)} given with a ready-made detector object")
+            self.detector = detector
+        else:
+            raise ValueError(f"detector must be 'shapes', 'real' or a callable, got {type(detector).__name__}")
+        self.threshold = threshold
+        self.counting_threshold = counting_threshold
+        self.max_objects = max_objects
+        self.position_threshold = position_threshold
+        self.partial_credit = partial_credit
+
+    def judge(self, images, metadata: Sequence[dict] | None) -> list[Verdict]:
+        """Per-image verdicts (detections, reasons) -- what ``__call__`` condenses into tensors."""
+        arrays = to_uint8_images(images)
+        if metadata is None:
+            raise ValueError("GenEval needs one GenEval metadata dict per image (argument 'metadata'), got None")
+        if isinstance(metadata, dict):
+            raise ValueError("metadata must be a list with one GenEval metadata dict per image, got a single dict")
+        metadata = list(metadata)
+        if len(metadata) != len(arrays):
+            raise ValueError(f"got {len(arrays)} images but {len(metadata)} metadata dicts")
+        classes = getattr(self.detector, "classes", None)
+        colors = getattr(self.detector, "colors", None)
+        metadata = [validate_metadata(m, classes, colors, where=f"metadata[{i}]") for i, m in enumerate(metadata)]
+        detections = self.detector(arrays, metadata)
+        return [
+            judge(
+                dets,
+                meta,
+                threshold=self.threshold,
+                counting_threshold=self.counting_threshold,
+                max_objects=self.max_objects,
+                position_threshold=self.position_threshold,
+                partial_credit=self.partial_credit,
+            )
+            for dets, meta in zip(detections, metadata)
+        ]
+
+    def __call__(self, images, prompts: Sequence[str] | None = None, metadata: Sequence[dict] | None = None) -> RewardOutput:
+        metadata = list(metadata) if metadata is not None and not isinstance(metadata, dict) else metadata
+        verdicts = self.judge(images, metadata)
+        if prompts is not None and len(prompts) != len(verdicts):
+            raise ValueError(f"got {len(verdicts)} images but {len(prompts)} prompts")
+        partial = torch.tensor([v.partial for v in verdicts], dtype=torch.float32)
+        strict = torch.tensor([float(v.strict) for v in verdicts], dtype=torch.float32)
+        exact = torch.tensor([float(v.exact) for v in verdicts], dtype=torch.float32)
+        components = {"partial": partial, "strict": strict, "exact": exact}
+        tags = [m["tag"] for m in metadata]
+        for tag in TAGS:
+            mine = torch.tensor([t == tag for t in tags])
+            components[f"strict/{tag}"] = torch.where(mine, strict, torch.full_like(strict, math.nan))
+            components[f"partial/{tag}"] = torch.where(mine, partial, torch.full_like(partial, math.nan))
+        return RewardOutput(scores=partial.clone(), components=components)

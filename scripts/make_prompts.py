@@ -1,0 +1,55 @@
+"""Write the shapes world's fixed prompt sets: assets/prompts/shapes_{train,test}.jsonl.
+
+    python scripts/make_prompts.py            # seed 0, a third of each tag held out
+    python scripts/make_prompts.py --check    # verify the committed files match (exit 1 if not)
+
+Every distinct GenEval prompt of the shapes world (240: 3 single_object, 6 two_object, 9 counting,
+18 colors, 24 position, 180 color_attr) is split per tag into disjoint train / held-out test sets
+(flowgrpo.world.split_prompts: a seeded permutation whose train part still contains every class,
+colour, count and relation of the tag). One GenEval metadata dict per line, GenEval's key order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+from flowgrpo.world import TAGS, split_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _lines(rows: list[dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--test-fraction", type=float, default=1 / 3)
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "assets" / "prompts")
+    parser.add_argument("--check", action="store_true", help="compare with the files on disk instead of writing")
+    args = parser.parse_args()
+
+    train, test = split_prompts(seed=args.seed, test_fraction=args.test_fraction)
+    files = {"shapes_train.jsonl": _lines(train), "shapes_test.jsonl": _lines(test)}
+    counts = {name: collections.Counter(r["tag"] for r in rows) for name, rows in (("train", train), ("test", test))}
+    print(json.dumps({split: {t: c[t] for t in TAGS} | {"total": sum(c.values())} for split, c in counts.items()}))
+    if args.check:
+        stale = [n for n, text in files.items() if not (args.out_dir / n).exists() or (args.out_dir / n).read_text() != text]
+        if stale:
+            print(f"out of date: {', '.join(stale)}; run python scripts/make_prompts.py", file=sys.stderr)
+            return 1
+        return 0
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (args.out_dir / name).write_text(text)
+        print(f"wrote {args.out_dir / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
