@@ -282,8 +282,9 @@ def test_bad_options_name_config_keys():
         load_adapter("sd3", "tiny-random:sd3", torch_dtype="float8")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("xformers") is not None, reason="xformers is installed")
-def test_xformers_missing_says_how_to_install():
+def test_xformers_missing_says_how_to_install(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "xformers" else real_find_spec(name, *a))
     with pytest.raises(ImportError, match=r"pip install flowgrpo\[xformers\]"):
         load_adapter("sd3", "tiny-random:sd3", attention="xformers")
 

@@ -1,0 +1,470 @@
+"""Turn composed config nodes (``conf/``, schemas in :mod:`flowgrpo.config`) into the objects a run uses.
+
+>>> from flowgrpo.build import build_adapter, build_sampler, build_reward, build_prompts, batch_plan
+>>> adapter = build_adapter(cfg.model)                       # doctest: +SKIP
+>>> sampler = build_sampler(cfg.sampler, adapter=adapter, model=cfg.model)  # doctest: +SKIP
+>>> print(batch_plan(cfg, num_processes=2).banner())        # doctest: +SKIP
+
+Every builder validates its node first (:func:`flowgrpo.config.validate`), and every error names the config
+key to change (``data.train_file``, ``model.pretrained``, ``trainer.train_batch_size``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from .config import validate
+
+__all__ = [
+    "REPO_ROOT",
+    "resolve_path",
+    "build_adapter",
+    "Sampler",
+    "build_sampler",
+    "build_reward",
+    "PromptSet",
+    "build_prompts",
+    "RunLogger",
+    "build_logger",
+    "BatchPlan",
+    "batch_plan",
+    "model_kwargs",
+]
+
+#: The repository (or source tree) root: relative paths in configs that do not exist under the working
+#: directory are looked up here, so ``python train.py`` works from any directory of an editable install.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _key(node: DictConfig, name: str) -> str:
+    """Full dotted key of ``node.name`` (``data.train_file``), or ``name`` for a detached node."""
+    prefix = node._get_full_key(None) if isinstance(node, DictConfig) else ""
+    return f"{prefix}.{name}" if prefix else name
+
+
+def resolve_path(path: str | os.PathLike) -> Path | None:
+    """An existing local path: as given when absolute, else under the cwd, else under :data:`REPO_ROOT`.
+    Returns None when none exists."""
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return p if p.exists() else None
+    for base in (Path.cwd(), REPO_ROOT):
+        if (base / p).exists():
+            return (base / p).resolve()
+    return None
+
+
+def _looks_local(path: str) -> bool:
+    """True when ``path`` is clearly meant as a local path (absolute, ./, ~, or its first directory exists
+    here, like ``assets/...``) rather than a hub id ``org/name``."""
+    if path.startswith((".", "/", "~")) or os.path.isabs(path):
+        return True
+    head = Path(path).parts[0] if Path(path).parts else ""
+    return any((base / head).is_dir() for base in (Path.cwd(), REPO_ROOT)) and len(Path(path).parts) >= 2
+
+
+# --------------------------------------------------------------------------------------------- model
+
+
+def build_adapter(model: DictConfig, *, device: str | torch.device = "cpu"):
+    """``flowgrpo.models.load_adapter`` from a ``model`` node.
+
+    ``model.pretrained`` is a local pipeline directory (relative: cwd, then the repo root), a hub id, or
+    ``tiny-random:<family>``. A path that is clearly local but missing fails at once (no hub round-trip),
+    naming ``model.pretrained``.
+    """
+    validate(model)
+    from .models import load_adapter  # heavy (diffusers): import on use
+
+    pretrained = model.pretrained
+    if not pretrained.startswith("tiny-random:"):
+        local = resolve_path(pretrained)
+        if local is not None:
+            pretrained = str(local)
+        elif _looks_local(pretrained):
+            raise FileNotFoundError(
+                f"{_key(model, 'pretrained')}={model.pretrained!r}: no such directory (looked under {Path.cwd()} "
+                f"and {REPO_ROOT}). Set {_key(model, 'pretrained')} to a diffusers pipeline directory (with "
+                f"model_index.json), a hub id available offline, or tiny-random:{model.family}."
+            )
+    kwargs = OmegaConf.to_container(model.pipeline_kwargs, resolve=True)
+    return load_adapter(
+        model.family,
+        pretrained,
+        torch_dtype=model.torch_dtype,
+        device=device,
+        attention=model.attention,
+        **kwargs,
+    )
+
+
+def model_kwargs(model: DictConfig) -> dict[str, Any]:
+    """What ``encode_prompts`` / ``prepare_noise`` / ``velocity`` need from the model node, as plain values:
+    ``size`` (height, width, num_frames), ``guidance`` (guidance_scale + family-specific guidance kwargs),
+    ``negative_prompt`` and ``max_sequence_length``."""
+    return {
+        "size": {"height": model.height, "width": model.width, "num_frames": model.num_frames},
+        "guidance": {"guidance_scale": model.guidance_scale,
+                     **OmegaConf.to_container(model.guidance_kwargs, resolve=True)},
+        "negative_prompt": model.negative_prompt,
+        "max_sequence_length": model.max_sequence_length,
+    }
+
+
+# ------------------------------------------------------------------------------------------- sampler
+
+
+@dataclass
+class Sampler:
+    """A ``sampler`` node made concrete: schedules, kernel and (MixGRPO) the window, for ``samplers.rollout``.
+
+    Attributes:
+        sigmas: ``[T+1]`` schedule of training rollouts (the model scheduler's, unless ``sampler.shift`` is set).
+        eval_sigmas: ``[T_eval+1]`` schedule of held-out ODE evaluation.
+        sde: ``"all"``, ``"window"`` or ``"none"`` (which steps are stochastic).
+        kernel, noise_level, solver, compress_ratio: as in the config.
+        window: the ``samplers.SDEWindow`` when ``sde="window"`` (stateful: ``advance`` / ``state_dict``).
+    """
+
+    sigmas: torch.Tensor
+    eval_sigmas: torch.Tensor
+    sde: str
+    kernel: str
+    noise_level: float
+    solver: str
+    compress_ratio: float = 1.0
+    window: Any = None
+
+    @property
+    def num_steps(self) -> int:
+        return self.sigmas.shape[0] - 1
+
+    def sde_mask(self) -> torch.Tensor:
+        """Bool ``[T]`` of the stochastic steps now. CPS has std 0 on the final step to σ'=0, so that step is
+        always an ODE step for the ``cps`` kernel."""
+        if self.sde == "all":
+            mask = torch.ones(self.num_steps, dtype=torch.bool)
+        elif self.sde == "window":
+            mask = self.window.mask()
+        else:
+            mask = torch.zeros(self.num_steps, dtype=torch.bool)
+        if self.kernel == "cps":
+            mask[-1] = False
+        return mask
+
+    def schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sigmas, sde_mask)`` for this iteration's rollout: with ``compress_ratio < 1`` (MixGRPO-Flash) the
+        steps after the window are replaced by a compressed grid (``samplers.compress_tail``)."""
+        mask = self.sde_mask()
+        if self.sde != "window" or self.compress_ratio >= 1 or not mask.any():
+            return self.sigmas, mask
+        from samplers import compress_tail
+
+        last = int(mask.nonzero().max())
+        sigmas = compress_tail(self.sigmas, last, self.compress_ratio)
+        return sigmas, mask[: sigmas.shape[0] - 1]
+
+    def trained_steps(self, timestep_fraction: float = 1.0) -> int:
+        """Stochastic (hence trainable) steps per rollout, times the trained fraction (at least 1 if any)."""
+        n = int(self.sde_mask().sum())
+        return 0 if n == 0 else max(1, int(n * timestep_fraction))
+
+    def state_dict(self) -> dict:
+        return {"window": self.window.state_dict()} if self.window is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.window is not None and "window" in state:
+            self.window.load_state_dict(state["window"])
+
+
+def build_sampler(sampler: DictConfig, *, adapter=None, model: DictConfig | None = None) -> Sampler:
+    """A :class:`Sampler` from a ``sampler`` node.
+
+    The schedule is the model scheduler's own (``adapter.sigmas`` at ``model``'s size: SD3/Wan static shift,
+    FLUX's resolution-dependent μ); without an adapter, or with ``sampler.shift`` set, it is
+    ``samplers.flow_sigmas(num_steps, shift)`` (shift 3.0 when unset, SD3's).
+    """
+    validate(sampler)
+    from samplers import SDEWindow, flow_sigmas
+
+    def sigmas(steps: int) -> torch.Tensor:
+        if sampler.shift is None and adapter is not None:
+            size = {} if model is None else {"height": model.height, "width": model.width,
+                                             "num_frames": model.num_frames}
+            return adapter.sigmas(steps, **size).float().cpu()
+        return flow_sigmas(steps, 3.0 if sampler.shift is None else sampler.shift)
+
+    window = None
+    if sampler.sde == "window":
+        w = sampler.window
+        try:
+            window = SDEWindow(
+                sampler.num_steps, size=w.size, shift_interval=w.shift_interval, stride=w.stride,
+                schedule=w.schedule, start=w.start, seed=w.seed, decay_rate=w.decay_rate,
+                decay_threshold=w.decay_threshold, min_interval=w.min_interval,
+            )
+        except ValueError as err:
+            raise ValueError(f"{_key(sampler, 'window')}: {err}") from err
+    return Sampler(
+        sigmas=sigmas(sampler.num_steps),
+        eval_sigmas=sigmas(sampler.eval_num_steps),
+        sde=sampler.sde,
+        kernel=sampler.kernel,
+        noise_level=float(sampler.noise_level),
+        solver=sampler.solver,
+        compress_ratio=float(sampler.compress_ratio),
+        window=window,
+    )
+
+
+# -------------------------------------------------------------------------------------------- reward
+
+
+def build_reward(reward: DictConfig):
+    """``rewards.load(reward.name, **reward.kwargs)``; errors name ``reward.name`` / ``reward.kwargs``."""
+    validate(reward)
+    import rewards
+
+    if reward.name not in rewards.available():
+        raise KeyError(
+            f"{_key(reward, 'name')}={reward.name!r} is not a registered reward; available: "
+            f"{', '.join(rewards.available()) or '(none)'}"
+        )
+    kwargs = OmegaConf.to_container(reward.kwargs, resolve=True)
+    try:
+        return rewards.load(reward.name, **kwargs)
+    except TypeError as err:
+        raise TypeError(f"{_key(reward, 'kwargs')}={kwargs!r} rejected by reward {reward.name!r}: {err}") from err
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+@dataclass
+class PromptSet:
+    """Prompts and (JSONL) their metadata records, aligned; ``metadata`` is None for plain text lists."""
+
+    prompts: list[str]
+    metadata: list[dict] | None
+    source: str
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.prompts)
+
+    def subset(self, index) -> "PromptSet":
+        """The prompts at ``index`` (a sequence of ints), metadata kept aligned."""
+        index = [int(i) for i in index]
+        meta = None if self.metadata is None else [self.metadata[i] for i in index]
+        return PromptSet([self.prompts[i] for i in index], meta, self.source)
+
+
+def _read_prompts(path: Path, fmt: str, prompt_key: str, key_name: str) -> PromptSet:
+    prompts: list[str] = []
+    metadata: list[dict] | None = [] if fmt == "jsonl" else None
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            line = line.strip()
+            if fmt == "text":
+                if line and not line.startswith("#"):
+                    prompts.append(line)
+                continue
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not JSON ({err}); is {key_name} a .jsonl file? "
+                                 "(plain prompt lists: data.format=text)") from err
+            if not isinstance(record, dict) or prompt_key not in record:
+                raise ValueError(f"{path}:{lineno}: no {prompt_key!r} field (data.prompt_key)")
+            prompts.append(str(record[prompt_key]))
+            metadata.append(record)
+    if not prompts:
+        raise ValueError(f"{key_name}={str(path)!r} holds no prompts")
+    return PromptSet(prompts, metadata, str(path))
+
+
+def build_prompts(data: DictConfig, split: str = "train") -> PromptSet | None:
+    """Read the ``train`` or ``test`` prompt set of a ``data`` node. ``test`` without ``data.test_file`` → None.
+
+    Raises:
+        FileNotFoundError: naming ``data.train_file`` / ``data.test_file`` when the file does not exist.
+    """
+    validate(data)
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    name = f"{split}_file"
+    if OmegaConf.is_missing(data, name):
+        raise ValueError(f"{_key(data, name)} is not set: pass {_key(data, name)}=PATH")
+    value = data[name]
+    if value is None:
+        return None
+    path = resolve_path(value)
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            f"{_key(data, name)}={value!r}: no such file (looked under {Path.cwd()} and {REPO_ROOT}); "
+            f"set {_key(data, name)}=PATH"
+        )
+    prompts = _read_prompts(path, data.format, data.prompt_key, _key(data, name))
+    if split == "train" and data.max_prompts is not None:
+        prompts = prompts.subset(range(min(data.max_prompts, len(prompts))))
+    return prompts
+
+
+# -------------------------------------------------------------------------------------------- logger
+
+
+@dataclass
+class RunLogger:
+    """Scalar logging behind one call. ``logger=none`` logs nothing here (the run dir still gets galleries);
+    ``logger=wandb`` imports wandb lazily and starts a run (the ``WANDB_MODE`` environment variable wins over
+    ``logger.mode``, so tests run it disabled)."""
+
+    name: str
+    run: Any = None
+    history: list[tuple[int, dict]] = field(default_factory=list)
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.history.append((step, dict(scalars)))
+        if self.run is not None:
+            self.run.log(scalars, step=step)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+def build_logger(logger: DictConfig, *, output_dir: str | os.PathLike | None = None,
+                 config: dict | None = None) -> RunLogger:
+    """A :class:`RunLogger` from a ``logger`` node (call on rank 0 only)."""
+    validate(logger)
+    if logger.name == "none":
+        return RunLogger("none")
+    import wandb  # optional and lazy
+
+    run = wandb.init(
+        project=logger.project,
+        entity=logger.entity,
+        name=logger.run_name or (Path(output_dir).name if output_dir else None),
+        tags=list(logger.tags),
+        mode=os.environ.get("WANDB_MODE", logger.mode),
+        dir=str(output_dir) if output_dir else None,
+        config=config,
+    )
+    return RunLogger("wandb", run=run)
+
+
+# ----------------------------------------------------------------------------------------- batch plan
+
+
+@dataclass
+class BatchPlan:
+    """The batch arithmetic of one iteration (STYLE.md pattern 2); all counts are per iteration."""
+
+    num_processes: int
+    prompts: int  # N, global
+    group_size: int  # G
+    rollouts: int  # M = N·G, global
+    rollouts_per_process: int  # m = M / P
+    rollout_batch_per_process: int  # samples per rollout forward on one process
+    rollout_chunks: int  # rollout forwards-per-step batches on one process
+    trained_steps: int  # K per rollout
+    trained_steps_note: str
+    train_micro_batch: int  # samples per training forward on one process
+    accumulation: int  # A micro-batches per optimizer update
+    updates_per_iteration: int  # U (over all inner epochs)
+    inner_epochs: int
+
+    @property
+    def backward_per_update(self) -> int:
+        """Backward passes accumulated into one optimizer update (micro-batches × trained steps)."""
+        return self.accumulation * self.trained_steps
+
+    def banner(self) -> str:
+        P = self.num_processes
+        lines = [
+            f"batch plan: {self.prompts} prompts × {self.group_size} samples = {self.rollouts} rollouts/iteration "
+            f"over {P} process{'es' if P > 1 else ''} → {self.rollouts_per_process} per process "
+            f"(rollout forward: {self.rollout_batch_per_process} samples × {self.rollout_chunks} chunk"
+            f"{'s' if self.rollout_chunks > 1 else ''})",
+            f"            {self.trained_steps} trained steps each ({self.trained_steps_note}); "
+            f"training micro-batch {self.train_micro_batch} per process",
+            f"            {self.accumulation} accumulation step{'s' if self.accumulation != 1 else ''} × "
+            f"{self.trained_steps} trained steps = "
+            f"{self.backward_per_update} backward passes per update → {self.updates_per_iteration} optimizer "
+            f"update{'s' if self.updates_per_iteration != 1 else ''} per iteration "
+            f"({self.inner_epochs} inner epoch{'s' if self.inner_epochs != 1 else ''})",
+        ]
+        return "\n".join(lines)
+
+
+def _trained_steps(cfg: DictConfig) -> tuple[int, str]:
+    s, a = cfg.sampler, cfg.algo
+    if a.name == "flash_grpo":
+        return 1, "algo=flash_grpo: one SDE step k_p per prompt"
+    if s.sde == "none":
+        return 0, "sampler.sde=none: nothing stochastic to train"
+    if s.sde == "window":
+        n = s.window.size
+        note = f"sampler.window.size={n}"
+    else:
+        n = s.num_steps - (1 if s.kernel == "cps" else 0)
+        note = f"sampler.num_steps={s.num_steps}" + (", CPS's final step is ODE" if s.kernel == "cps" else "")
+    k = max(1, int(n * a.timestep_fraction))
+    if a.timestep_fraction < 1:
+        note += f" × algo.timestep_fraction={a.timestep_fraction}"
+    return k, note
+
+
+def batch_plan(cfg: DictConfig, num_processes: int = 1) -> BatchPlan:
+    """Derive per-process batch sizes from the global ones in ``cfg.trainer`` and assert they divide evenly.
+
+    Raises:
+        ValueError: a size that does not divide, naming the knob(s) to change.
+    """
+    validate(cfg)
+    t = cfg.trainer
+    P = int(num_processes)
+    if P < 1:
+        raise ValueError(f"num_processes must be >= 1, got {P}")
+    N, G = t.prompts_per_iteration, t.group_size
+    M = N * G
+    if M % P:
+        raise ValueError(
+            f"trainer.prompts_per_iteration × trainer.group_size = {N} × {G} = {M} rollouts do not split over "
+            f"{P} processes: make {M} a multiple of {P} (change trainer.prompts_per_iteration or trainer.group_size)"
+        )
+    m = M // P
+    R = M if t.rollout_batch_size is None else t.rollout_batch_size
+    if R % P or M % R:
+        raise ValueError(
+            f"trainer.rollout_batch_size={R} must be a multiple of the {P} processes and divide the {M} rollouts "
+            f"of an iteration (trainer.prompts_per_iteration × trainer.group_size); or set it to null (all at once)"
+        )
+    B, A = t.train_batch_size, t.gradient_accumulation_steps
+    if B % P:
+        raise ValueError(f"trainer.train_batch_size={B} (global) must be a multiple of the {P} processes")
+    if M % (B * A):
+        raise ValueError(
+            f"trainer.train_batch_size × trainer.gradient_accumulation_steps = {B} × {A} = {B * A} samples per "
+            f"optimizer update must divide the {M} rollouts of an iteration: change trainer.train_batch_size or "
+            f"trainer.gradient_accumulation_steps (or trainer.prompts_per_iteration / trainer.group_size)"
+        )
+    K, note = _trained_steps(cfg)
+    updates = t.inner_epochs * M // (B * A)
+    return BatchPlan(
+        num_processes=P, prompts=N, group_size=G, rollouts=M, rollouts_per_process=m,
+        rollout_batch_per_process=R // P, rollout_chunks=M // R, trained_steps=K, trained_steps_note=note,
+        train_micro_batch=B // P, accumulation=A, updates_per_iteration=updates, inner_epochs=t.inner_epochs,
+    )
