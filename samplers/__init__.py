@@ -8,14 +8,14 @@ from .flash import flash_plan, rectification_weights, single_step_mask
 from .rollout import SOLVERS, Trajectory, rollout
 from .schedules import flow_sigmas, shift_sigmas, time_shift_exponential
 from .solvers import dpm_solver_2m_step
-from .steps import KERNELS, StepOutput, kernel_lambda, kernel_std, ode_step, sde_kl, sde_step
+from .steps import KERNELS, StepOutput, kernel_lambda, kernel_std, ode_step, randn, sde_kl, sde_step
 from .window import WINDOW_SCHEDULES, SDEWindow, compress_tail
 
 __all__ = [
     "KERNELS", "SOLVERS", "WINDOW_SCHEDULES",
     "StepOutput", "Trajectory", "SDEWindow",
     "flow_sigmas", "shift_sigmas", "time_shift_exponential",
-    "sde_step", "ode_step", "kernel_std", "kernel_lambda", "sde_kl",
+    "sde_step", "ode_step", "kernel_std", "kernel_lambda", "sde_kl", "randn",
     "rollout", "dpm_solver_2m_step",
     "compress_tail", "flash_plan", "single_step_mask", "rectification_weights",
 ]

@@ -62,7 +62,7 @@ def rollout(
     kernel: str = "flow_grpo",
     noise_level: float = 0.7,
     solver: str = "euler",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
 ) -> Trajectory:
     """Sample a batch of trajectories (no grad).
 
@@ -86,6 +86,8 @@ def rollout(
         raise ValueError("sigmas must be strictly decreasing")
     batch = noise.shape[0]
     device = noise.device
+    if isinstance(generator, (list, tuple)) and len(generator) != batch:
+        raise ValueError(f"got {len(generator)} generators for a batch of {batch}")
     mask = _normalise_mask(sde_mask, batch, steps, device)
     steps_idx = torch.arange(steps, device=device)
     # Index of each sample's last SDE step (−1 when none): DPM-Solver++ runs only after it.
@@ -115,10 +117,16 @@ def rollout(
                     dpm = dpm_first
                 out = torch.where(_rows(use_dpm, x), dpm, out)
             prev_x0 = x0
-        if row_sde.any():
+        if row_sde.all():
             step = sde_step(v, x, sigma, sigma_next, kernel=kernel, noise_level=noise_level, generator=generator)
-            out = torch.where(_rows(row_sde, x), step.prev_sample, out)
-            log_probs[:, i] = torch.where(row_sde, step.log_prob, torch.zeros_like(step.log_prob))
+            out, log_probs[:, i] = step.prev_sample, step.log_prob
+        elif row_sde.any():
+            rows = row_sde.nonzero().squeeze(1)
+            gen = [generator[r] for r in rows.tolist()] if isinstance(generator, (list, tuple)) else generator
+            step = sde_step(v[rows], x[rows], sigma, sigma_next, kernel=kernel, noise_level=noise_level, generator=gen)
+            out = out.clone()
+            out[rows] = step.prev_sample
+            log_probs[rows, i] = step.log_prob
         x = out
         latents.append(x)
     return Trajectory(latents=torch.stack(latents, dim=1), log_probs=log_probs, sde_mask=mask, sigmas=sigmas, nfe=steps)

@@ -56,6 +56,18 @@ class StepOutput:
     std: torch.Tensor
 
 
+def randn(shape, generator: torch.Generator | list[torch.Generator] | None, device) -> torch.Tensor:
+    """Standard normal float32 noise of ``shape`` on ``device``, drawn on each generator's own device; with a list,
+    row ``b`` comes from ``generator[b]`` alone."""
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != shape[0]:
+            raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]}")
+        rows = [torch.randn((1, *shape[1:]), generator=g, dtype=torch.float32, device=g.device) for g in generator]
+        return torch.cat([r.to(device) for r in rows])
+    gen_device = generator.device if generator is not None else device
+    return torch.randn(shape, generator=generator, dtype=torch.float32, device=gen_device).to(device)
+
+
 def _per_sample(value: SigmaLike, batch: int, device: torch.device) -> torch.Tensor:
     """A float or ``[B]`` tensor as a float32 ``[B]`` tensor."""
     t = torch.as_tensor(value, dtype=torch.float32, device=device)
@@ -162,7 +174,7 @@ def sde_step(
     kernel: str = "flow_grpo",
     noise_level: float = 0.7,
     prev_sample: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
 ) -> StepOutput:
     """One stochastic step ``σ → σ'`` and the exact log-density of its result.
 
@@ -173,7 +185,8 @@ def sde_step(
         kernel: ``"flow_grpo"``, ``"dance"`` or ``"cps"``.
         noise_level: ``a`` for flow_grpo / cps, ``η`` for dance.
         prev_sample: if given, score this stored transition (training) instead of sampling.
-        generator: RNG for the noise when sampling.
+        generator: RNG for the noise when sampling; a list gives one generator per sample (as diffusers'
+            ``randn_tensor``), so a sample's noise does not depend on how the batch is split across processes.
 
     Returns:
         :class:`StepOutput`; gradients flow from ``log_prob`` and ``mean`` into ``velocity``.
@@ -189,8 +202,7 @@ def sde_step(
     mean = _bcast(a, x) * x + _bcast(b, x) * v
 
     if prev_sample is None:
-        noise = torch.randn(x.shape, generator=generator, dtype=torch.float32,
-                            device=generator.device if generator is not None else x.device).to(x.device)
+        noise = randn(x.shape, generator, x.device)
         prev_sample = mean.detach() + _bcast(std, x) * noise
     else:
         if prev_sample.shape != x.shape:
