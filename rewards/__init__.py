@@ -2,5 +2,6 @@
 
 from .base import RewardOutput, available, load, register
 from .geneval import GenEval  # registers "geneval"
+from .jpeg import JpegCompressibility  # registers "jpeg_compressibility", "jpeg_incompressibility"
 
-__all__ = ["GenEval", "RewardOutput", "available", "load", "register"]
+__all__ = ["GenEval", "JpegCompressibility", "RewardOutput", "available", "load", "register"]

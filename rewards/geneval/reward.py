@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from ..base import RewardOutput, register
-from .images import to_uint8_images
+from ..images import to_uint8_images
 from .rules import (
     COUNTING_THRESHOLD,
     MAX_OBJECTS,

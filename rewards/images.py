@@ -1,4 +1,4 @@
-"""Batch images in any of the reward contract's forms -> list of uint8 ``[H, W, 3]`` numpy arrays."""
+"""Batch images in any of the reward contract's forms -> list of uint8 ``[H, W, 3]`` numpy arrays (shared by every reward)."""
 
 from __future__ import annotations
 
