@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from .algorithms.schedule import build_window, rollout_schedule, sde_steps, trained_step_count
 from .config import validate
 
 __all__ = [
@@ -131,6 +132,10 @@ class Sampler:
         sde: ``"all"``, ``"window"`` or ``"none"`` (which steps are stochastic).
         kernel, noise_level, solver, compress_ratio: as in the config.
         window: the ``samplers.SDEWindow`` when ``sde="window"`` (stateful: ``advance`` / ``state_dict``).
+
+    Which steps are stochastic and on which grid is decided in :mod:`flowgrpo.algorithms.schedule`, which the
+    training algorithms use too. A training run plans its rollouts with ``flowgrpo.algorithms.build_algorithm``
+    — pass ``window=sampler.window`` there so the run has a single window object.
     """
 
     sigmas: torch.Tensor
@@ -147,34 +152,18 @@ class Sampler:
         return self.sigmas.shape[0] - 1
 
     def sde_mask(self) -> torch.Tensor:
-        """Bool ``[T]`` of the stochastic steps now. CPS has std 0 on the final step to σ'=0, so that step is
-        always an ODE step for the ``cps`` kernel."""
-        if self.sde == "all":
-            mask = torch.ones(self.num_steps, dtype=torch.bool)
-        elif self.sde == "window":
-            mask = self.window.mask()
-        else:
-            mask = torch.zeros(self.num_steps, dtype=torch.bool)
-        if self.kernel == "cps":
-            mask[-1] = False
-        return mask
+        """Bool ``[T]`` of the stochastic steps now (``flowgrpo.algorithms.schedule.sde_steps``: a CPS step into
+        σ'=0 is always ODE)."""
+        return sde_steps(self.sde, self.sigmas, self.kernel, self.window)
 
     def schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sigmas, sde_mask)`` for this iteration's rollout: with ``compress_ratio < 1`` (MixGRPO-Flash) the
-        steps after the window are replaced by a compressed grid (``samplers.compress_tail``)."""
-        mask = self.sde_mask()
-        if self.sde != "window" or self.compress_ratio >= 1 or not mask.any():
-            return self.sigmas, mask
-        from samplers import compress_tail
-
-        last = int(mask.nonzero().max())
-        sigmas = compress_tail(self.sigmas, last, self.compress_ratio)
-        return sigmas, mask[: sigmas.shape[0] - 1]
+        steps after the window are replaced by a compressed grid (``flowgrpo.algorithms.schedule``)."""
+        return rollout_schedule(self.sigmas, self.sde_mask(), compress_ratio=self.compress_ratio)
 
     def trained_steps(self, timestep_fraction: float = 1.0) -> int:
         """Stochastic (hence trainable) steps per rollout, times the trained fraction (at least 1 if any)."""
-        n = int(self.sde_mask().sum())
-        return 0 if n == 0 else max(1, int(n * timestep_fraction))
+        return trained_step_count(int(self.sde_mask().sum()), timestep_fraction)
 
     def state_dict(self) -> dict:
         return {"window": self.window.state_dict()} if self.window is not None else {}
@@ -192,7 +181,7 @@ def build_sampler(sampler: DictConfig, *, adapter=None, model: DictConfig | None
     ``samplers.flow_sigmas(num_steps, shift)`` (shift 3.0 when unset, SD3's).
     """
     validate(sampler)
-    from samplers import SDEWindow, flow_sigmas
+    from samplers import flow_sigmas
 
     def sigmas(steps: int) -> torch.Tensor:
         if sampler.shift is None and adapter is not None:
@@ -201,17 +190,7 @@ def build_sampler(sampler: DictConfig, *, adapter=None, model: DictConfig | None
             return adapter.sigmas(steps, **size).float().cpu()
         return flow_sigmas(steps, 3.0 if sampler.shift is None else sampler.shift)
 
-    window = None
-    if sampler.sde == "window":
-        w = sampler.window
-        try:
-            window = SDEWindow(
-                sampler.num_steps, size=w.size, shift_interval=w.shift_interval, stride=w.stride,
-                schedule=w.schedule, start=w.start, seed=w.seed, decay_rate=w.decay_rate,
-                decay_threshold=w.decay_threshold, min_interval=w.min_interval,
-            )
-        except ValueError as err:
-            raise ValueError(f"{_key(sampler, 'window')}: {err}") from err
+    window = build_window(sampler)
     return Sampler(
         sigmas=sigmas(sampler.num_steps),
         eval_sigmas=sigmas(sampler.eval_num_steps),
@@ -421,7 +400,9 @@ def _trained_steps(cfg: DictConfig) -> tuple[int, str]:
     else:
         n = s.num_steps - (1 if s.kernel == "cps" else 0)
         note = f"sampler.num_steps={s.num_steps}" + (", CPS's final step is ODE" if s.kernel == "cps" else "")
-    k = max(1, int(n * a.timestep_fraction))
+    from .algorithms.schedule import trained_step_count
+
+    k = trained_step_count(n, a.timestep_fraction)
     if a.timestep_fraction < 1:
         note += f" × algo.timestep_fraction={a.timestep_fraction}"
     return k, note

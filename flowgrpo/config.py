@@ -349,6 +349,9 @@ def _cross_checks(cfg: DictConfig, errors: list[str]) -> None:
         if a.name == "mix_grpo" and s.sde != "window":
             errors.append(f"algo=mix_grpo trains the MixGRPO window but sampler.sde={s.sde!r}: "
                           "add algo=grpo (Flow-GRPO / DanceGRPO), or use sampler=mix_sde / mix_sde_flash")
+        if a.name == "grpo" and s.sde != "all":
+            errors.append(f"algo=grpo (Flow-GRPO / DanceGRPO) trains every SDE step of a full-trajectory SDE but "
+                          f"sampler.sde={s.sde!r}: use sampler=sde / dance / cps, or algo=mix_grpo for a window")
         if a.name in ("grpo", "mix_grpo") and s.sde == "none":
             errors.append(f"algo={a.name} has nothing to train with sampler.sde='none' (no stochastic step): "
                           "use sampler=sde / dance / cps / mix_sde, or algo=flash_grpo (it adds its own SDE step)")

@@ -1,0 +1,142 @@
+"""Group-relative advantages (DESIGN.md phase 4), shared by every GRPO-style algorithm.
+
+``A_i = clip((r_i − mean_group)/(std + eps), −clip, clip)`` (MATH.md, "GRPO update"), where the rows
+``p·G … p·G+G−1`` of a batch form group ``p`` (the trainer lays rollouts out so) and ``std`` is the group's
+or, with ``global_std``, the whole batch's (Flash-GRPO, arXiv 2605.15980; Flow-GRPO's ``global_std``).
+
+Reference choices, read in the anchors' code:
+
+* **std is the population std (ddof 0).** Flow-GRPO (arXiv 2505.05470, ``flow_grpo/stat_tracking.py``,
+  ``PerPromptStatTracker.update``) uses ``np.std`` — ddof 0 — plus ``1e-4``, per prompt or, with
+  ``global_std``, ``np.std`` of every reward of the gathered batch; the mean stays per prompt either way. We do
+  the same, in float64 as it does. (DanceGRPO / MixGRPO use ``torch.std`` — ddof 1 — plus ``1e-8``: their
+  advantages are √((G−1)/G) times ours, 0.935× at G=8, which the PPO clip and the learning rate absorb.)
+* Flow-GRPO groups by prompt *text* (two groups drawn for the same prompt merge); we group by rows, which is
+  what "group" means in our plan (phase 1 may draw the same prompt twice; they stay separate groups).
+* **Zero-spread groups give exactly 0** (not a rounding error of their mean divided by 1e-4), so ``A == 0``
+  reliably marks samples that carry no signal (Flow-GRPO drops all-zero-advantage samples before training).
+* Multi-reward (DanceGRPO / MixGRPO, arXiv 2507.21802, ``multi_reward_mix=advantage_aggr``): one group
+  advantage per reward component, summed with weights, clipped once at the end (the anchors clip in the
+  training step, after aggregation). MixGRPO uses raw weights (all 1.0); we normalise them to sum to 1
+  (MATH.md) so adding a reward does not scale the advantage and with it the effective learning rate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["group_advantages", "weighted_advantages", "advantage_stats"]
+
+
+def _groups(values: torch.Tensor, group_size: int, name: str = "rewards") -> torch.Tensor:
+    """``[N]`` → float64 ``[N/G, G]`` (the caller's rows p·G … p·G+G−1 form group p)."""
+    values = torch.as_tensor(values)
+    if values.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D tensor [N], got shape {tuple(values.shape)}")
+    if group_size < 1 or values.shape[0] % group_size:
+        raise ValueError(f"{values.shape[0]} {name} do not split into groups of trainer.group_size={group_size}")
+    return values.detach().to(torch.float64).view(-1, group_size)
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    global_std: bool = False,
+    clip: float | None = 5.0,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """Group-normalised advantages ``clip((r − mean_group)/(std + eps), −clip, clip)``, float32 ``[N]``.
+
+    Args:
+        rewards: ``[N]`` scalar rewards of the whole (global) batch, groups consecutive.
+        group_size: ``G``; ``N`` must be a multiple of it.
+        global_std: divide by the std of all ``N`` rewards instead of each group's (mean stays per group).
+        clip: clip to ``[−clip, clip]``; ``None`` = no clipping.
+        eps: added to the std (Flow-GRPO: 1e-4).
+
+    Both stds are population stds (ddof 0, ``np.std``) as in Flow-GRPO. Groups whose rewards are all equal get
+    exactly 0. Non-finite rewards raise.
+
+    >>> group_advantages(torch.tensor([1.0, 3.0, 2.0, 2.0]), 2, eps=0.0)
+    tensor([-1.,  1.,  0.,  0.])
+    """
+    r = _groups(rewards, group_size)
+    if not torch.isfinite(r).all():
+        bad = (~torch.isfinite(r)).flatten().nonzero().flatten().tolist()
+        raise ValueError(f"non-finite rewards at rows {bad[:8]}{' ...' if len(bad) > 8 else ''}: a reward must "
+                         "raise rather than return NaN/inf (it would poison every advantage of the batch)")
+    centred = r - r.mean(dim=1, keepdim=True)
+    if global_std:
+        std = r.flatten().std(correction=0)
+    else:
+        std = r.std(dim=1, correction=0, keepdim=True)
+    adv = centred / (std + eps)
+    flat = (r.amax(dim=1) == r.amin(dim=1)).unsqueeze(1)
+    adv = torch.where(flat, torch.zeros_like(adv), adv)
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return adv.flatten().to(torch.float32)
+
+
+def weighted_advantages(
+    components: dict[str, torch.Tensor],
+    weights: dict[str, float],
+    group_size: int,
+    *,
+    clip: float | None = 5.0,
+    **kw,
+) -> torch.Tensor:
+    """Multi-reward advantages: ``clip(Σ_k ŵ_k·A_k, ±clip)`` with ``A_k`` the unclipped group advantage of
+    component ``k`` and ``ŵ_k = w_k / Σ_j w_j`` (DanceGRPO / MixGRPO ``advantage_aggr``, weights normalised).
+
+    Args:
+        components: ``{name: rewards [N]}``; every component named in ``weights`` must be present (extra
+            components, e.g. logged-only ones, are ignored).
+        weights: ``{name: w}``, non-negative with a positive sum; a zero weight drops the component.
+        group_size, clip, **kw: as :func:`group_advantages` (``global_std``, ``eps``).
+    """
+    if not weights:
+        raise ValueError("weighted_advantages needs at least one weight")
+    missing = sorted(set(weights) - set(components))
+    if missing:
+        raise KeyError(f"reward components {missing} have a weight but no scores; scored: {sorted(components)}")
+    if any(w < 0 for w in weights.values()) or not sum(weights.values()) > 0:
+        raise ValueError(f"reward weights must be >= 0 with a positive sum, got {weights}")
+    total = float(sum(weights.values()))
+    adv = None
+    for name, w in weights.items():
+        if w == 0:
+            continue
+        a = group_advantages(components[name], group_size, clip=None, **kw).to(torch.float64) * (w / total)
+        adv = a if adv is None else adv + a
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return adv.to(torch.float32)
+
+
+def advantage_stats(advantages: torch.Tensor, rewards: torch.Tensor, group_size: int) -> dict[str, float]:
+    """Scalars to log for phase 4 (python floats).
+
+    ``zero_std_group_fraction`` (groups with no reward spread: no learning signal; Flow-GRPO's
+    ``zero_std_ratio``), ``reward_group_std_mean`` (mean within-group population std; Flow-GRPO's
+    ``reward_std_mean``), ``reward_mean`` / ``reward_std`` (batch), ``adv_mean`` / ``adv_std`` / ``adv_abs_max``,
+    ``adv_abs_mean`` and ``adv_zero_fraction`` (samples with exactly zero advantage, i.e. not trained on).
+    """
+    r = _groups(rewards, group_size)
+    a = _groups(advantages, group_size, "advantages").flatten()
+    if a.numel() != r.numel():
+        raise ValueError(f"{a.numel()} advantages for {r.numel()} rewards")
+    group_std = r.std(dim=1, correction=0)
+    stats = {
+        "zero_std_group_fraction": (r.amax(dim=1) == r.amin(dim=1)).double().mean(),
+        "reward_group_std_mean": group_std.mean(),
+        "reward_mean": r.mean(),
+        "reward_std": r.flatten().std(correction=0),
+        "adv_mean": a.mean(),
+        "adv_std": a.std(correction=0),
+        "adv_abs_mean": a.abs().mean(),
+        "adv_abs_max": a.abs().max(),
+        "adv_zero_fraction": (a == 0).double().mean(),
+    }
+    return {k: float(v) for k, v in stats.items()}
