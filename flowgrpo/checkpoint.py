@@ -1,0 +1,484 @@
+"""Checkpoints that survive a crash, a LoRA that diffusers can load, RNG states, and a clean stop on SIGTERM.
+
+DESIGN.md phase 6 (log / checkpoint). What a resume needs is the trainer's business (weights/LoRA, optimizer,
+LR schedule, EMA, RNG, window/plan state, step); this module only makes writing it safe:
+
+>>> manager = CheckpointManager(run_dir / "checkpoints", keep=2)                          # doctest: +SKIP
+>>> manager.save(step, {"step": step, "optimizer": opt.state_dict(), "rng": capture_rng_state()},
+...              writers={"lora": lambda d: save_lora_weights(pipe, d)})                   # doctest: +SKIP
+>>> path = manager.resolve(cfg.trainer.resume)   # None | "auto" | PATH                    # doctest: +SKIP
+>>> state = manager.load(path) if path else None                                           # doctest: +SKIP
+
+Layout of ``root``::
+
+    checkpoint-000100/state.pt     torch.save of the state dict
+    checkpoint-000100/lora/        one directory or file per writer (here the diffusers-format LoRA)
+    latest                         "checkpoint-000100\\n", the last checkpoint written
+
+A checkpoint directory only ever appears under its final name complete: everything is built in a hidden
+temporary directory in ``root``, flushed to disk, then renamed. A crash (or a writer that raises) while
+saving leaves the previous checkpoint as it was and still ``latest``.
+
+Call ``save`` on the main process only; under FSDP / ZeRO gather the full state dicts first (collectives run on
+every rank), then let rank 0 write.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import threading
+import uuid
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+__all__ = [
+    "CheckpointManager",
+    "GracefulStop",
+    "capture_rng_state",
+    "restore_rng_state",
+    "save_lora_weights",
+]
+
+#: File of the torch-saved state inside a checkpoint directory.
+STATE_FILE = "state.pt"
+#: Text file in the checkpoint root naming the last checkpoint written.
+LATEST_FILE = "latest"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+_TMP_PREFIX = ".tmp-checkpoint-"
+_TRASH_PREFIX = ".trash-checkpoint-"
+
+
+# ------------------------------------------------------------------------------------------------ RNG
+
+
+def capture_rng_state() -> dict:
+    """The global RNG states of Python ``random``, NumPy, torch (CPU) and every CUDA device (if available).
+
+    Everything is a tensor or a plain Python value, so the dict saves with ``torch.save`` and loads with
+    ``torch.load(weights_only=True)``. States are per process: under multi-process training each rank has its own
+    (gather them, e.g. ``accelerate.utils.gather_object``, and restore each rank's own).
+    """
+    np_state = np.random.get_state(legacy=False)
+    state = {
+        "python": random.getstate(),
+        "numpy": {
+            "bit_generator": np_state["bit_generator"],
+            "key": torch.from_numpy(np.asarray(np_state["state"]["key"], dtype=np.int64)),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Restore what :func:`capture_rng_state` captured, so the next draws of every generator repeat.
+
+    CUDA states are restored on as many devices as both the saved state and this process have (a warning when
+    the counts differ); saved CUDA states on a machine without CUDA are ignored with a warning.
+    """
+    if "python" in state:
+        version, internal, gauss_next = state["python"]
+        random.setstate((version, tuple(internal), gauss_next))
+    if "numpy" in state:
+        s = state["numpy"]
+        key = s["key"].numpy() if isinstance(s["key"], torch.Tensor) else np.asarray(s["key"])
+        np.random.set_state({
+            "bit_generator": s["bit_generator"],
+            "state": {"key": key.astype(np.uint32), "pos": int(s["pos"])},
+            "has_gauss": int(s["has_gauss"]),
+            "gauss": float(s["gauss"]),
+        })
+    if "torch" in state:
+        torch.set_rng_state(state["torch"].cpu())
+    cuda = state.get("cuda")
+    if cuda:
+        if not torch.cuda.is_available():
+            warnings.warn("restore_rng_state: the state holds CUDA RNG states but CUDA is not available; ignored",
+                          stacklevel=2)
+            return
+        n = torch.cuda.device_count()
+        if n != len(cuda):
+            warnings.warn(f"restore_rng_state: {len(cuda)} saved CUDA RNG states for {n} visible devices; "
+                          f"restoring the first {min(n, len(cuda))}", stacklevel=2)
+        for device, dev_state in enumerate(cuda[:n]):
+            torch.cuda.set_rng_state(dev_state.cpu(), device)
+
+
+# ------------------------------------------------------------------------------------- files on disk
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync one file or directory (directories: best effort; not possible on every OS)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as err:  # EINVAL/EBADF: directories on some filesystems
+        if err.errno not in (errno.EINVAL, errno.EBADF, errno.EISDIR):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            _fsync_path(Path(dirpath) / name)
+        _fsync_path(Path(dirpath))
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_SAFE_SCALARS = (int, float, bool, str, bytes, complex, type(None))
+_SAFE_TORCH = (torch.dtype, torch.device, torch.Size)
+
+
+def _check_weights_only(obj, where: str) -> None:
+    """Raise TypeError naming the first value ``torch.load(weights_only=True)`` would refuse.
+
+    Checked at save time, so a state that could not be resumed fails at the first checkpoint, not on resume.
+    Types are compared exactly: numpy scalars subclass ``float`` but do not load, neither do namedtuples.
+    """
+    t = type(obj)
+    if isinstance(obj, torch.Tensor) or t in _SAFE_SCALARS or isinstance(obj, _SAFE_TORCH):
+        return
+    if t in (dict, OrderedDict):
+        for key, value in obj.items():
+            _check_weights_only(key, f"{where} (a key)")
+            _check_weights_only(value, f"{where}[{key!r}]")
+        return
+    if t in (list, tuple, set):
+        for i, value in enumerate(obj):
+            _check_weights_only(value, f"{where}[{i}]")
+        return
+    raise TypeError(
+        f"{where} is a {t.__module__}.{t.__qualname__}, which torch.load(weights_only=True) refuses: store tensors, "
+        f"Python numbers/strings and dict/list/tuple of them (e.g. .item(), .tolist(), torch.as_tensor(...), "
+        f"a state_dict()), or make the manager with CheckpointManager(..., weights_only=False) for trusted files"
+    )
+
+
+# -------------------------------------------------------------------------------------------- manager
+
+
+class CheckpointManager:
+    """Atomic, pruned checkpoints under one root directory.
+
+    Args:
+        root: directory holding ``checkpoint-NNNNNN/`` and ``latest`` (created on the first save).
+        keep: checkpoints kept after each save, the one just written included (``None``: keep all).
+        weights_only: load with ``torch.load(weights_only=True)`` (no arbitrary code from a checkpoint file)
+            and check at save time that the state only holds what that loader accepts.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, keep: int | None = 2, weights_only: bool = True):
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep must be >= 1 (or None to keep every checkpoint), got {keep}")
+        self.root = Path(root)
+        self.keep = keep
+        self.weights_only = weights_only
+
+    # -- names
+
+    def path(self, step: int) -> Path:
+        """The final directory of the checkpoint of ``step``."""
+        return self.root / f"checkpoint-{int(step):06d}"
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """Complete checkpoints as ``(step, dir)``, by increasing step. Temporary directories of saves in progress
+        (here or in other processes) are never listed."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for child in self.root.iterdir():
+            m = _NAME.match(child.name)
+            if m and child.is_dir() and (child / STATE_FILE).is_file():
+                found.append((int(m.group(1)), child))
+        return sorted(found)
+
+    # -- save
+
+    def save(self, step: int, state: dict, *, writers: dict[str, Callable[[Path], None]] | None = None) -> Path:
+        """Write ``root/checkpoint-{step:06d}/`` atomically, point ``latest`` at it, prune old checkpoints.
+
+        Args:
+            step: the training step (iteration) the state belongs to.
+            state: saved with ``torch.save`` as ``state.pt``.
+            writers: ``{name: fn}``; each ``fn(dir / name)`` writes one more file or directory (it gets a path
+                that does not exist yet), e.g. ``{"lora": lambda p: save_lora_weights(pipe, p)}``.
+
+        Returns:
+            The checkpoint directory.
+
+        An exception from ``torch.save`` or a writer removes the temporary directory and propagates; the previous
+        checkpoints and ``latest`` are untouched. A checkpoint of the same step is replaced.
+        """
+        writers = dict(writers or {})
+        if STATE_FILE in writers:
+            raise ValueError(f"writer name {STATE_FILE!r} is reserved for the state")
+        for name in writers:
+            if not name or Path(name).name != name or name.startswith("."):
+                raise ValueError(f"writer name {name!r} must be a plain file or directory name")
+        if self.weights_only:
+            _check_weights_only(state, "state")
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_temporaries()
+        final = self.path(step)
+        tmp = self.root / f"{_TMP_PREFIX}{int(step):06d}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            torch.save(state, tmp / STATE_FILE)
+            for name, write in writers.items():
+                write(tmp / name)
+            _fsync_tree(tmp)
+            if final.exists():
+                # POSIX cannot rename a directory onto a non-empty one: move the old one aside first. A crash between
+                # the two renames loses this step's old copy only (other checkpoints and their `latest` survive).
+                trash = self.root / f"{_TRASH_PREFIX}{final.name}.{uuid.uuid4().hex[:8]}"
+                os.replace(final, trash)
+                os.replace(tmp, final)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            _fsync_path(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _atomic_write_text(self.root / LATEST_FILE, final.name + "\n")
+        self._prune(newest=final)
+        return final
+
+    def _prune(self, newest: Path) -> None:
+        if self.keep is None:
+            return
+        others = [(step, path) for step, path in self.checkpoints() if path != newest]
+        # The checkpoint just written always stays (even when a resume rolled back to an earlier step), then the
+        # highest steps among the others.
+        for _, path in others[: max(0, len(others) - (self.keep - 1))]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _remove_stale_temporaries(self) -> None:
+        """Remove temporary directories left by crashed saves of *this host* (their process is gone); those of
+        live processes, or of other hosts on a shared filesystem, are left alone."""
+        host = socket.gethostname()
+        for child in self.root.iterdir():
+            # (.trash-checkpoint-* dirs, left only by a crash mid-replace, are kept for manual recovery.)
+            if not child.name.startswith(_TMP_PREFIX) or not child.is_dir():
+                continue
+            parts = child.name[len(_TMP_PREFIX):].split(".")
+            # step.host.pid.rand — the host may itself contain dots
+            if len(parts) < 4 or not parts[-2].isdigit():
+                continue
+            if ".".join(parts[1:-2]) == host and not _pid_alive(int(parts[-2])):
+                shutil.rmtree(child, ignore_errors=True)
+
+    # -- find and load
+
+    def latest(self) -> Path | None:
+        """The checkpoint named by ``root/latest`` if it is complete, else the complete one of highest step, else
+        None."""
+        pointer = self.root / LATEST_FILE
+        if pointer.is_file():
+            name = pointer.read_text(encoding="utf-8").strip()
+            candidate = self.root / name
+            if _NAME.match(name) and (candidate / STATE_FILE).is_file():
+                return candidate
+        found = self.checkpoints()
+        return found[-1][1] if found else None
+
+    def resolve(self, resume: str | os.PathLike | None) -> Path | None:
+        """The checkpoint ``trainer.resume`` asks for.
+
+        Args:
+            resume: ``None`` (or ``""``, ``"none"``, ``"null"``): start fresh → None. ``"auto"``: the latest
+                checkpoint under this manager's root, or None when there is none (first run of a job that
+                resubmits itself). A path: a checkpoint directory, its ``state.pt``, or a checkpoint root (its
+                latest is used); it must exist.
+
+        Raises:
+            FileNotFoundError: a path that is not (or holds no) checkpoint; the message names ``trainer.resume``.
+        """
+        if resume is None or (isinstance(resume, str) and resume.strip().lower() in ("", "none", "null")):
+            return None
+        if isinstance(resume, str) and resume.strip().lower() == "auto":
+            return self.latest()
+        path = Path(resume).expanduser()
+        if path.is_file() and path.name == STATE_FILE:
+            return path.parent
+        if (path / STATE_FILE).is_file():
+            return path
+        if path.is_dir():
+            found = CheckpointManager(path).latest()
+            if found is not None:
+                return found
+        raise FileNotFoundError(
+            f"trainer.resume={str(resume)!r}: {'no such file or directory' if not path.exists() else 'holds no checkpoint'} "
+            f"({path.resolve()}). Set trainer.resume to a checkpoint directory (with {STATE_FILE}), a checkpoint "
+            f"root (its latest is used), trainer.resume=auto (latest under {self.root} if any) or trainer.resume=null"
+        )
+
+    def load(self, path: str | os.PathLike) -> dict:
+        """``torch.load`` of a checkpoint's state (a checkpoint directory or its ``state.pt``) onto the CPU."""
+        path = Path(path)
+        file = path if path.is_file() else path / STATE_FILE
+        if not file.is_file():
+            raise FileNotFoundError(f"no checkpoint state at {file} (trainer.resume)")
+        return torch.load(file, map_location="cpu", weights_only=self.weights_only)
+
+
+# ----------------------------------------------------------------------------------------------- LoRA
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """Strip DDP / FSDP-style ``.module`` and ``torch.compile``'s ``_orig_mod`` (what accelerate's unwrap does)."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel) or (
+            type(model).__name__ in ("FullyShardedDataParallel", "DeepSpeedEngine") and hasattr(model, "module")
+        ):
+            model = model.module
+        else:
+            return model
+
+
+def save_lora_weights(pipe, out_dir: str | os.PathLike, *, transformer: torch.nn.Module | None = None) -> None:
+    """Save the trainable LoRA of the transformer in diffusers format: ``pipe.load_lora_weights(out_dir)`` (or
+    ``PipelineClass.load_lora_weights``) loads it into a fresh pipeline.
+
+    Args:
+        pipe: the pipeline (or its class) — its ``save_lora_weights`` sets the format (``transformer.`` key prefix).
+        out_dir: directory to write ``pytorch_lora_weights.safetensors`` into (created).
+        transformer: the LoRA'd transformer, default ``pipe.transformer``; may be the accelerate-wrapped or the
+            unwrapped peft-injected model.
+
+    The adapter's ``LoraConfig`` (rank, alpha, target modules) is saved as metadata, so ``lora_alpha != r``
+    survives the round trip. Keys stay in PEFT naming (``...to_q.lora_A.weight``), which is diffusers' format for
+    transformer LoRAs (what diffusers' own SD3 / FLUX / Wan LoRA scripts save);
+    ``convert_state_dict_to_diffusers`` is for the old UNet / text-encoder format and would rename attention keys
+    only, so it is not applied.
+    """
+    from peft import get_peft_model_state_dict
+
+    cls = pipe if isinstance(pipe, type) else type(pipe)
+    if transformer is None:
+        if isinstance(pipe, type):
+            raise ValueError("save_lora_weights: pass transformer= when pipe is a pipeline class")
+        transformer = pipe.transformer
+    transformer = _unwrap(transformer)
+    peft_config = getattr(transformer, "peft_config", None)
+    if not peft_config:
+        raise ValueError(
+            f"save_lora_weights: {type(transformer).__name__} has no LoRA adapter (full fine-tuning? then save "
+            f"transformer.save_pretrained(...) instead)"
+        )
+    active = transformer.active_adapters() if hasattr(transformer, "active_adapters") else list(peft_config)
+    active = [active] if isinstance(active, str) else list(active)
+    if len(active) != 1:
+        raise ValueError(f"save_lora_weights: expected one active adapter, found {active}")
+    name = active[0]
+    layers = get_peft_model_state_dict(transformer, adapter_name=name)
+    layers = {k: v.detach().cpu().contiguous() for k, v in layers.items()}
+    metadata = peft_config[name].to_dict()
+    cls.save_lora_weights(Path(out_dir), transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata)
+
+
+# ----------------------------------------------------------------------------------------------- stop
+
+
+class GracefulStop:
+    """Turn SIGTERM / SIGINT into a request the training loop polls, so it can checkpoint and exit cleanly.
+
+    >>> with GracefulStop() as stop:                                                   # doctest: +SKIP
+    ...     for step in range(start, total):
+    ...         plan(); rollout(); score()
+    ...         if stop.requested: break          # abandon the iteration: checkpoint the last finished one
+    ...         advantage(); update(); log()
+    ...         if stop.requested: checkpoint(step); break
+
+    The handlers only set ``requested`` (and ``signal``); the loop decides where to stop. A second SIGINT
+    (Ctrl-C twice) raises ``KeyboardInterrupt`` for a hard stop. The previous handlers are restored on exit.
+
+    Python only lets the main thread install signal handlers: entered from another thread this is a no-op
+    (``active`` is False and ``requested`` only changes through :meth:`request`).
+
+    Under multi-process training every rank gets the signal at its own moment: agree before acting, e.g.
+    ``accelerator.reduce(torch.tensor(float(stop.requested), device=accelerator.device), "max") > 0``.
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
+        self.signals = tuple(signals)
+        self.requested = False
+        self.signal: signal.Signals | None = None
+        self.active = False
+        self._previous: dict[int, object] = {}
+
+    def request(self, signum: int | None = None) -> None:
+        """Ask for a stop programmatically (time limit, tests); ``signum`` is remembered when given."""
+        if not self.requested and signum is not None:
+            self.signal = signal.Signals(signum)
+        self.requested = True
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        first = not self.requested
+        self.request(signum)
+        if first:
+            msg = (f"\n{signal.Signals(signum).name} received: stopping after the current phase and writing a "
+                   f"checkpoint" + (" (Ctrl-C again to abort now)" if signal.SIGINT in self._previous else "") + "\n")
+            try:
+                os.write(2, msg.encode())  # unbuffered: print() can fail re-entrantly inside a signal handler
+            except OSError:
+                pass
+
+    def __enter__(self) -> "GracefulStop":
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for s in self.signals:
+            self._previous[s] = signal.signal(s, self._handle)
+        self.active = True
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()
+        self.active = False
+        return False
