@@ -41,6 +41,7 @@ PARTNERS = {
     ("sampler", "dance"): ["algo=grpo"],
     ("sampler", "cps"): ["algo=grpo"],
     ("sampler", "ode"): ["algo=flash_grpo"],
+    ("algo", "grpo"): ["sampler=sde"],
 }
 # Keys left for the user to fill (``???``) by design.
 EXPECTED_MISSING = {
@@ -210,6 +211,7 @@ def test_typo_and_wrong_type_inside_a_yaml_file_name_the_key(tmp_path):
     (["sampler.window.size=30"], r"sampler\.window\.size=30 exceeds sampler\.num_steps=25"),
     (["sampler=sde"], r"algo=mix_grpo trains the MixGRPO window.*algo=grpo"),
     (["sampler=ode", "algo=grpo"], r"algo=grpo has nothing to train"),
+    (["algo=grpo"], r"algo=grpo .* sampler\.sde='window'"),
     (["model.family=flux"], r"model\.pretrained='tiny-random:sd3' does not match model\.family='flux'"),
     (["model=tiny_wan", "model.num_frames=null"], r"model\.num_frames must be set"),
     (["sampler.compress_ratio=0.5"], r"sampler\.solver=dpm\+\+2m"),
@@ -417,15 +419,17 @@ def test_train_py_rejects_a_bad_override_naming_the_key(tmp_path):
 def test_train_py_end_to_end_on_the_tiny_twin(tmp_path, monkeypatch, capsys):
     """``python train.py ...`` in-process: runpy runs the script as __main__ (its own @hydra.main, run dir and
     all) without a second 5-s import of torch + diffusers in a subprocess."""
+    import json
     import runpy
 
     run_dir = tmp_path / "run"
     monkeypatch.chdir(tmp_path)  # run from elsewhere: outputs must land in the Hydra run dir, not the cwd
     monkeypatch.setenv("WANDB_MODE", "disabled")
     monkeypatch.setattr(sys, "argv", [
-        "train.py", "model=tiny_sd3", "reward=geneval", "sampler=mix_sde", "sampler.eval_num_steps=3",
+        "train.py", "model=tiny_sd3", "reward=jpeg_compressibility", "sampler=mix_sde", "sampler.num_steps=4",
+        "sampler.eval_num_steps=3", "sampler.window.size=2", "trainer.iterations=2", "trainer.eval_num_prompts=2",
         "trainer.prompts_per_iteration=2", "trainer.group_size=2", "trainer.train_batch_size=2",
-        "trainer.gradient_accumulation_steps=1", f"hydra.run.dir={run_dir}",
+        "trainer.gradient_accumulation_steps=1", "trainer.gallery_every=1", f"hydra.run.dir={run_dir}",
         "hydra/job_logging=none", "hydra/hydra_logging=none",  # no log handlers left pointing into tmp_path
     ])
     from hydra.core.global_hydra import GlobalHydra
@@ -436,13 +440,15 @@ def test_train_py_end_to_end_on_the_tiny_twin(tmp_path, monkeypatch, capsys):
         GlobalHydra.instance().clear()  # leave no Hydra state behind for other tests
     out = capsys.readouterr().out
     assert "2 prompts × 2 samples = 4 rollouts/iteration over 1 process" in out
-    assert "not implemented yet" in out
-    grid = run_dir / "preview.png"
-    assert grid.is_file()
-    from PIL import Image
-
-    with Image.open(grid) as image:  # one row of 4 previews (32 px + 2 px padding)
-        assert image.size == (2 + 4 * (32 + 2), 2 + 32 + 2)
+    assert "done: 2 iterations, 4 optimizer updates" in out  # 4 rollouts / (2 per micro-batch × 1) × 2 iterations
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["iterations"] == 2 and summary["eval_first"]["iteration"] == 0
+    assert summary["eval_last"]["iteration"] == 2 and "eval/jpeg_kb" in summary["eval_last"]
+    assert (run_dir / "curves.png").is_file() and (run_dir / "metrics.jsonl").is_file()
+    ckpt = run_dir / "checkpoints" / "checkpoint-000002"
+    assert (ckpt / "state.pt").is_file() and (ckpt / "lora").is_dir()
+    assert sorted(p.name for p in (run_dir / "gallery" / "train").glob("*.parquet")) == [
+        "step-000001.parquet", "step-000002.parquet"]
     saved = OmegaConf.load(run_dir / "config.yaml")
     assert saved.model.pretrained == "tiny-random:sd3" and saved.sampler.eval_num_steps == 3
     assert saved.data.train_file == "assets/prompts/shapes_train.jsonl"  # found under the repo root from any cwd

@@ -1,0 +1,634 @@
+"""The GRPO loop. One iteration is six phases, in this order and named so below (DESIGN.md):
+
+1. **plan** — pick this iteration's prompts; the algorithm decides which steps are stochastic and trained.
+2. **rollout** — G samples per prompt, batched, no grad; latents and exact log-probs recorded.
+3. **score** — decode and run the reward, keeping every component.
+4. **advantage** — group-relative normalisation over the *global* batch (gathered across processes).
+5. **update** — PPO-clip on the recomputed log-probs of the trained transitions (+ KL to the reference),
+   gradient accumulation spanning samples × trained steps, clipping, optimizer, EMA.
+6. **log / checkpoint** — scalars, galleries, atomic checkpoints.
+
+Determinism across process counts: every random draw that shapes a sample (its prompt, initial noise, SDE
+noise, the order its trained steps are visited in) comes from a generator seeded by ``(seed, iteration,
+global index)``, never from a process-local stream, so a 2-process run equals a 1-process run with the same
+global batch, and a resumed run equals one that never stopped.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from samplers import rollout, sde_kl, sde_step
+
+from .advantages import advantage_stats
+from .algorithms import RolloutPlan, build_algorithm
+from .algorithms.losses import ppo_clip_loss, reduce_log_prob
+from .build import batch_plan, build_adapter, build_prompts, build_reward, build_sampler, model_kwargs
+from .checkpoint import CheckpointManager, GracefulStop, capture_rng_state, restore_rng_state, save_lora_weights
+from .finetune import EMA, frozen_reference, load_trainable_state, prepare_trainable, reference_policy, trainable_state
+from .gallery import Gallery
+
+__all__ = ["Trainer", "Batch"]
+
+_MIX = 1_000_003  # odd multiplier mixing (seed, iteration, index) into one generator seed
+
+
+def _gen(*keys: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """A generator seeded by a tuple of integers (deterministic, independent streams for distinct tuples)."""
+    seed = 0
+    for k in keys:
+        seed = (seed * _MIX + int(k) + 1) % (2**63 - 1)
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+# Stream ids: which kind of draw a generator serves.
+_PROMPTS, _NOISE, _SDE, _ORDER, _EVAL = 1, 2, 3, 4, 5
+
+
+@dataclass
+class Batch:
+    """One iteration's rollouts on this process (rows are prompt-major: the G members of a prompt are consecutive)."""
+
+    prompts: list[str]                 # per row
+    metadata: list[dict] | None        # per row
+    global_rows: torch.Tensor          # [n] index of each row in the global batch
+    cond: Any                          # PromptEmbeds, per row
+    plan: RolloutPlan                  # rows of this process
+    latents: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    images: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None
+    components: dict[str, torch.Tensor] = field(default_factory=dict)
+    advantages: torch.Tensor | None = None
+    global_rewards: torch.Tensor | None = None      # [N·G] gathered from every process
+    global_advantages: torch.Tensor | None = None   # [N·G]
+    nfe: int = 0                                    # sample-steps of velocity evaluations on this process
+
+
+def _subset_plan(plan: RolloutPlan, rows: torch.Tensor) -> RolloutPlan:
+    return replace(plan, sde_mask=plan.sde_mask[rows], train_mask=plan.train_mask[rows])
+
+
+class Trainer:
+    """GRPO over a diffusers pipeline, configured by the composed Hydra config ``cfg`` (``conf/train.yaml``).
+
+    Args:
+        cfg: the composed, validated config.
+        output_dir: the run directory (the same on every process; rank 0 chooses it, see ``flowgrpo.cli``).
+        accelerator: an ``accelerate.Accelerator``; one is created from ``cfg.trainer`` when omitted.
+    """
+
+    def __init__(self, cfg: DictConfig, output_dir: str | Path, accelerator=None):
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        self.cfg = cfg
+        t = cfg.trainer
+        self.out = Path(output_dir)
+        self.acc = accelerator or Accelerator(mixed_precision=t.mixed_precision, cpu=not torch.cuda.is_available())
+        self.rank, self.world = self.acc.process_index, self.acc.num_processes
+        self.batch = batch_plan(cfg, self.world)
+        self.device = self.acc.device
+        # Same global RNG on every process and in every run: LoRA initialisation draws from it.
+        set_seed(t.seed)
+        if torch.cuda.is_available() and t.allow_tf32:
+            torch.backends.cuda.matmul.allow_tf32 = True
+
+        # Model, trainable weights, reference, EMA.
+        self.adapter = build_adapter(cfg.model, device=self.device)
+        self.model_kw = model_kwargs(cfg.model)
+        for module in self.adapter.pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                module.requires_grad_(False)
+        self.unwrapped = self.adapter.pipe.transformer
+        self.params = prepare_trainable(self.unwrapped, cfg.model)
+        self.ref_copy = frozen_reference(self.unwrapped) if cfg.model.finetune == "full" and cfg.algo.kl_beta > 0 else None
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
+                                           weight_decay=t.weight_decay)
+        self.lr_scheduler = self._lr_scheduler()
+        self.ema = EMA(self.params, t.ema.decay) if t.ema.enabled else None
+        # accumulation spans samples × trained steps: one optimizer update per A micro-batches × K steps
+        self.acc.gradient_accumulation_steps = self.batch.accumulation * max(1, self.batch.trained_steps)
+        wrapped, self.optimizer = self.acc.prepare(self.unwrapped, self.optimizer)
+        self.adapter.transformer = wrapped
+
+        # Sampler schedules, algorithm, reward, prompts.
+        self.sampler = build_sampler(cfg.sampler, adapter=self.adapter, model=cfg.model)
+        self.algorithm = build_algorithm(cfg.algo, cfg.sampler, self.sampler.sigmas, window=self.sampler.window)
+        self.reward = build_reward(cfg.reward)
+        self.train_set = build_prompts(cfg.data, "train")
+        self.test_set = build_prompts(cfg.data, "test")
+
+        # Bookkeeping.
+        self.iteration = 0
+        self.updates = 0
+        self.history: list[dict[str, float]] = []
+        self.evals: list[dict[str, float]] = []
+        self.ckpt = CheckpointManager(self.out / "checkpoints", keep=t.keep_checkpoints or 10**9)
+        self.gallery = None
+        self.logger = None
+        self._stop = None
+        self._last_batch: Batch | None = None
+        if self.acc.is_main_process:
+            from .build import build_logger
+
+            self.logger = build_logger(cfg.logger, output_dir=self.out, config=OmegaConf.to_container(cfg, resolve=True))
+            self.gallery = Gallery(self.out, wandb_run=getattr(self.logger, "run", None), max_rows=t.gallery_size)
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _lr_scheduler(self):
+        from diffusers.optimization import get_scheduler
+
+        t = self.cfg.trainer
+        total = t.iterations * self.batch.updates_per_iteration
+        name = {"constant": "constant_with_warmup"}.get(t.lr_scheduler, t.lr_scheduler)
+        return get_scheduler(name, self.optimizer, num_warmup_steps=t.warmup_updates, num_training_steps=total)
+
+    def _print(self, *msg) -> None:
+        if self.acc.is_main_process:
+            print(*msg, flush=True)
+
+    def banner(self) -> str:
+        n_train = sum(p.numel() for p in self.params)
+        n_all = sum(p.numel() for p in self.unwrapped.parameters())
+        return "\n".join([
+            self.batch.banner(),
+            f"algorithm: {self.algorithm.describe()}",
+            f"trainable: {n_train:,} of {n_all:,} transformer parameters ({self.cfg.model.finetune}); "
+            f"reward: {self.cfg.reward.name}; train prompts {len(self.train_set)}, held-out "
+            f"{len(self.test_set) if self.test_set else 0}; output: {self.out}",
+        ])
+
+    # ------------------------------------------------------------------ velocity
+    def _velocity_fn(self, cond, *, guidance: dict | None = None):
+        guidance = self.model_kw["guidance"] if guidance is None else guidance
+
+        def velocity(x, sigma):
+            with self.acc.autocast():
+                return self.adapter.velocity(x, sigma, cond, **guidance)
+
+        return velocity
+
+    def _encode(self, prompts: list[str]):
+        g = self.model_kw["guidance"]
+        kwargs = {k: v for k, v in g.items() if k != "guidance_scale"}
+        with torch.no_grad():
+            return self.adapter.encode_prompts(prompts, self.model_kw["negative_prompt"],
+                                               guidance_scale=g["guidance_scale"],
+                                               max_sequence_length=self.model_kw["max_sequence_length"], **kwargs)
+
+    def _noise(self, n_groups: int, group_keys: list[int], rows_per_group: int, shared: bool, stream: tuple) -> torch.Tensor:
+        size = self.model_kw["size"]
+        if shared:
+            gens = [_gen(*stream, k) for k in group_keys]
+            return self.adapter.prepare_noise(n_groups * rows_per_group, generator=gens, group_size=rows_per_group,
+                                              shared=True, **size)
+        gens = [_gen(*stream, k * rows_per_group + j) for k in group_keys for j in range(rows_per_group)]
+        return self.adapter.prepare_noise(n_groups * rows_per_group, generator=gens, **size)
+
+    # ------------------------------------------------------------------ 1. plan
+    def plan(self, iteration: int) -> Batch:
+        """This iteration's prompts (same on every process) and the algorithm's plan; keep this process's rows."""
+        t, G = self.cfg.trainer, self.cfg.trainer.group_size
+        N = t.prompts_per_iteration
+        gen = _gen(t.seed, _PROMPTS, iteration)
+        idx = torch.randint(0, len(self.train_set), (N,), generator=gen).tolist()
+        plan = self.algorithm.plan(N, G, generator=_gen(t.seed, _PROMPTS, iteration, 1))
+        # Prompts are dealt to processes round-robin, so a group never straddles two processes.
+        mine = list(range(self.rank, N, self.world))
+        rows = torch.tensor([p * G + g for p in mine for g in range(G)], dtype=torch.long)
+        local = self.train_set.subset([idx[p] for p in mine])
+        prompts = [p for p in local.prompts for _ in range(G)]
+        metadata = None if local.metadata is None else [m for m in local.metadata for _ in range(G)]
+        cond = self._encode(local.prompts).repeat_interleave(G)
+        return Batch(prompts=prompts, metadata=metadata, global_rows=rows, cond=cond, plan=_subset_plan(plan, rows))
+
+    # ------------------------------------------------------------------ 2. rollout
+    @torch.no_grad()
+    def rollout(self, batch: Batch, iteration: int) -> Batch:
+        """Sample the batch's trajectories in chunks of the rollout batch size.
+
+        When a group shares its initial noise (``algo.shared_noise``), its members are identical up to their first
+        SDE step, so that deterministic prefix is integrated once per prompt and then copied to the G members.
+        """
+        t, G = self.cfg.trainer, self.cfg.trainer.group_size
+        plan = batch.plan
+        n = len(batch.prompts)
+        shared = bool(self.cfg.algo.shared_noise)
+        group_ids = (batch.global_rows // G)[::G].tolist()
+        noise = self._noise(len(group_ids), group_ids, G, shared, (t.seed, _NOISE, iteration))
+        sde_gens = [_gen(t.seed, _SDE, iteration, int(r)) for r in batch.global_rows]
+        steps = plan.sigmas.shape[0] - 1
+        latents = torch.empty(n, steps + 1, *noise.shape[1:], dtype=torch.float32, device=noise.device)
+        log_probs = torch.zeros(n, steps, dtype=torch.float32, device=noise.device)
+        nfe = 0
+        chunk = self.batch.rollout_batch_per_process
+        if shared:
+            chunk = max(G, chunk - chunk % G)  # whole groups per chunk
+        first = plan.first_sde_step()
+        for start in range(0, n, chunk):
+            rows = torch.arange(start, min(start + chunk, n))
+            if shared:
+                nfe += self._rollout_shared(batch, rows, noise, first, sde_gens, latents, log_probs)
+            else:
+                traj = rollout(self._velocity_fn(batch.cond[rows]), noise[rows], plan.sigmas, plan.sde_mask[rows],
+                               kernel=plan.kernel, noise_level=plan.noise_level, solver=plan.solver,
+                               generator=[sde_gens[r] for r in rows.tolist()])
+                latents[rows], log_probs[rows] = traj.latents, traj.log_probs
+                nfe += traj.nfe * len(rows)
+        batch.latents, batch.log_probs, batch.nfe = latents, log_probs, nfe
+        return batch
+
+    def _rollout_shared(self, batch, rows, noise, first, sde_gens, latents, log_probs) -> int:
+        """Rows of whole groups sharing noise: ODE prefix once per group, then every member from its first SDE step.
+        Returns the NFE spent (sample-steps)."""
+        G = self.cfg.trainer.group_size
+        plan = batch.plan
+        steps = plan.sigmas.shape[0] - 1
+        nfe = 0
+        leaders = rows[::G]
+        # Members of a group share their first SDE step (the plans give groups one window / one k_p); rows without
+        # any SDE step (first == steps) run a plain ODE rollout from their leader's prefix.
+        for l in sorted(set(first[leaders].tolist())):
+            lead = leaders[first[leaders] == l]
+            members = torch.cat([torch.arange(int(r), int(r) + G) for r in lead])
+            if not torch.all(first[members] == l):
+                raise RuntimeError("a group's members start their SDE steps at different indices; "
+                                   "algo.shared_noise needs the plan to treat a group alike")
+            x = noise[lead]
+            if l > 0:
+                pre = rollout(self._velocity_fn(batch.cond[lead]), x, plan.sigmas[: l + 1], torch.zeros(l, dtype=torch.bool))
+                nfe += pre.nfe * len(lead)
+                prefix = pre.latents.repeat_interleave(G, dim=0)
+                x = pre.final
+            else:
+                prefix = noise[lead].unsqueeze(1).repeat_interleave(G, dim=0)
+            x = x.repeat_interleave(G, dim=0)
+            latents[members, : l + 1] = prefix
+            if l < steps:
+                rest = rollout(self._velocity_fn(batch.cond[members]), x, plan.sigmas[l:], plan.sde_mask[members, l:],
+                               kernel=plan.kernel, noise_level=plan.noise_level, solver=plan.solver,
+                               generator=[sde_gens[r] for r in members.tolist()])
+                latents[members, l:] = rest.latents
+                log_probs[members, l:] = rest.log_probs
+                nfe += rest.nfe * len(members)
+        return nfe
+
+    # ------------------------------------------------------------------ 3. score
+    @torch.no_grad()
+    def score(self, batch: Batch) -> Batch:
+        batch.images = self.adapter.decode(batch.latents[:, -1]).float().clamp(0, 1)
+        out = self.reward(batch.images, batch.prompts, batch.metadata)
+        batch.rewards = out.scores.to(self.device)
+        batch.components = {k: v.to(self.device) for k, v in out.components.items()}
+        return batch
+
+    # ------------------------------------------------------------------ 4. advantage
+    def advantage(self, batch: Batch) -> Batch:
+        """Normalise over the gathered global batch (process blocks are whole groups), keep this process's slice."""
+        rewards = self.acc.gather(batch.rewards.contiguous())
+        adv = self.algorithm.advantages(rewards, self.cfg.trainer.group_size)
+        n = len(batch.prompts)
+        batch.advantages = adv[self.rank * n : (self.rank + 1) * n].to(self.device)
+        batch.global_rewards = rewards
+        batch.global_advantages = adv
+        return batch
+
+    # ------------------------------------------------------------------ 5. update
+    def _transitions(self, batch: Batch, iteration: int, epoch: int) -> torch.Tensor:
+        """``[n, K]`` trained step indices per row, each row's order shuffled by its own seeded generator."""
+        mask = batch.plan.train_mask
+        counts = mask.sum(1)
+        if counts.numel() and not torch.all(counts == counts[0]):
+            raise RuntimeError("every row must train the same number of steps (the plans guarantee it)")
+        steps = torch.stack([row.nonzero().squeeze(1) for row in mask]) if len(mask) else torch.zeros(0, 0, dtype=torch.long)
+        order = torch.stack([torch.randperm(steps.shape[1], generator=_gen(self.cfg.trainer.seed, _ORDER, iteration, epoch, int(r)))
+                             for r in batch.global_rows])
+        return torch.gather(steps, 1, order)
+
+    def update(self, batch: Batch, iteration: int) -> dict[str, float]:
+        """PPO-clip over the trained transitions; one ``accelerate.accumulate`` spans micro-batches × trained steps."""
+        cfg, t = self.cfg, self.cfg.trainer
+        algo, plan = cfg.algo, batch.plan
+        guidance = self.model_kw["guidance"] if algo.cfg_in_training else {"guidance_scale": 1.0}
+        micro = self.batch.train_micro_batch
+        n = len(batch.prompts)
+        numel = batch.latents[0, 0].numel()
+        stats: dict[str, list[float]] = {}
+        self.adapter.transformer.train()
+        for epoch in range(t.inner_epochs):
+            steps = self._transitions(batch, iteration, epoch)
+            for start in range(0, n, micro):
+                rows = torch.arange(start, min(start + micro, n))
+                for j in range(steps.shape[1]):
+                    s = steps[rows, j]
+                    with self.acc.accumulate(self.adapter.transformer):
+                        loss, info = self._loss(batch, rows, s, guidance, numel)
+                        self.acc.backward(loss)
+                        if self.acc.sync_gradients:
+                            info["grad_norm"] = self._clip()
+                        self.optimizer.step()
+                        self.optimizer.zero_grad(set_to_none=True)
+                        if self.acc.sync_gradients:
+                            self.lr_scheduler.step()
+                            self.updates += 1
+                            if self.ema is not None and self.updates % t.ema.update_every == 0:
+                                self.ema.update()
+                    for k, v in info.items():
+                        stats.setdefault(k, []).append(float(v))
+        self.adapter.transformer.eval()
+        out = {f"train/{k}": sum(v) / len(v) for k, v in stats.items()}
+        out["train/lr"] = self.lr_scheduler.get_last_lr()[0]
+        return out
+
+    def _clip(self) -> float:
+        max_norm = self.cfg.trainer.max_grad_norm
+        norm = self.acc.clip_grad_norm_(self.params, max_norm if max_norm is not None else float("inf"))
+        return float(norm)
+
+    def _log_prob(self, batch: Batch, rows: torch.Tensor, s: torch.Tensor, guidance: dict):
+        """Recompute the exact log π of the stored transitions ``latents[rows, s] → latents[rows, s+1]`` with the
+        current weights (the same ``sde_step`` that sampled them). Returns ``(StepOutput, velocity)``."""
+        plan = batch.plan
+        x = batch.latents[rows, s]
+        sigma, sigma_next = plan.sigmas[s].to(x.device), plan.sigmas[s + 1].to(x.device)
+        with self.acc.autocast():
+            v = self.adapter.velocity(x, sigma, batch.cond[rows], **guidance)
+        out = sde_step(v, x, sigma, sigma_next, kernel=plan.kernel, noise_level=plan.noise_level,
+                       prev_sample=batch.latents[rows, s + 1])
+        return out, v
+
+    @torch.no_grad()
+    def recompute_log_probs(self, batch: Batch) -> torch.Tensor:
+        """``[n, T]`` training-time log-probs of every trained transition (0 elsewhere), in micro-batches as the
+        update runs them. With unchanged weights they equal ``batch.log_probs`` (the consistency check)."""
+        guidance = self.model_kw["guidance"] if self.cfg.algo.cfg_in_training else {"guidance_scale": 1.0}
+        out = torch.zeros_like(batch.log_probs)
+        steps = self._transitions(batch, self.iteration, 0)
+        micro = self.batch.train_micro_batch
+        for start in range(0, len(batch.prompts), micro):
+            rows = torch.arange(start, min(start + micro, len(batch.prompts)))
+            for j in range(steps.shape[1]):
+                s = steps[rows, j]
+                out[rows, s] = self._log_prob(batch, rows, s, guidance)[0].log_prob
+        return out
+
+    def _loss(self, batch: Batch, rows: torch.Tensor, s: torch.Tensor, guidance: dict, numel: int):
+        cfg = self.cfg.algo
+        plan = batch.plan
+        step, v = self._log_prob(batch, rows, s, guidance)
+        x = batch.latents[rows, s]
+        sigma, sigma_next = plan.sigmas[s].to(x.device), plan.sigmas[s + 1].to(x.device)
+        cond = batch.cond[rows]
+        log_prob = reduce_log_prob(step.log_prob, numel, cfg.logprob_reduction)
+        old = reduce_log_prob(batch.log_probs[rows, s], numel, cfg.logprob_reduction)
+        weights = self.algorithm.loss_weights(plan, rows, s).to(x.device)
+        loss, info = ppo_clip_loss(log_prob, old, batch.advantages[rows], clip_range=cfg.clip_range, weights=weights)
+        info = {k: float(val) for k, val in info.items()}
+        info["policy_loss"] = float(loss.detach())
+        if cfg.kl_beta > 0:
+            with torch.no_grad(), reference_policy(self.unwrapped, self.ref_copy) as ref, self.acc.autocast():
+                saved = self.adapter.transformer
+                self.adapter.transformer = ref
+                try:
+                    v_ref = self.adapter.velocity(x, sigma, cond, **guidance)
+                finally:
+                    self.adapter.transformer = saved
+            kl = sde_kl(v, v_ref, sigma, sigma_next, kernel=plan.kernel, noise_level=plan.noise_level)
+            if cfg.logprob_reduction == "mean":
+                kl = kl / numel
+            loss = loss + cfg.kl_beta * kl.mean()
+            info["kl"] = float(kl.mean().detach())
+        return loss, info
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, tag: str = "eval") -> dict[str, float]:
+        """Held-out reward with a deterministic ODE (``sampler.eval_num_steps``), CFG and fixed per-prompt seeds,
+        with EMA weights when enabled. Prompts are dealt round-robin over processes and the scores gathered."""
+        if self.test_set is None:
+            return {}
+        t = self.cfg.trainer
+        total = len(self.test_set) if t.eval_num_prompts is None else min(t.eval_num_prompts, len(self.test_set))
+        per_proc = math.ceil(total / self.world)
+        mine = [i for i in range(self.rank, per_proc * self.world, self.world)]
+        valid = torch.tensor([float(i < total) for i in mine], device=self.device)
+        idx = [min(i, total - 1) for i in mine]  # pad so every process runs the same number of prompts
+        local = self.test_set.subset(idx)
+        chunk = max(1, self.batch.rollout_batch_per_process)
+        sigmas = self.sampler.eval_sigmas
+        scores, comps = [], {}
+        images_kept = []
+        with self.ema.swapped_in() if self.ema is not None else nullcontext():
+            for start in range(0, len(idx), chunk):
+                sub = list(range(start, min(start + chunk, len(idx))))
+                part = local.subset(sub)
+                cond = self._encode(part.prompts)
+                gens = [_gen(t.seed, _EVAL, idx[i]) for i in sub]
+                noise = self.adapter.prepare_noise(len(sub), generator=gens, **self.model_kw["size"])
+                traj = rollout(self._velocity_fn(cond), noise, sigmas, torch.zeros(sigmas.shape[0] - 1, dtype=torch.bool))
+                images = self.adapter.decode(traj.final).float().clamp(0, 1)
+                out = self.reward(images, part.prompts, part.metadata)
+                scores.append(out.scores.to(self.device))
+                for k, v in out.components.items():
+                    comps.setdefault(k, []).append(v.to(self.device))
+                if start == 0:
+                    images_kept.append((part.prompts, images, out))
+        scores = self.acc.gather(torch.cat(scores))
+        keep = self.acc.gather(valid) > 0
+        result = {f"{tag}/reward": float(scores[keep].mean())}
+        for k, parts in comps.items():
+            v = self.acc.gather(torch.cat(parts))[keep]
+            result[f"{tag}/{k}"] = float(torch.nanmean(v)) if torch.any(~torch.isnan(v)) else float("nan")
+        if self.gallery is not None and images_kept:
+            prompts, images, out = images_kept[0]
+            self.gallery.log(self.iteration, prompts, images, rewards=out.scores, components=out.components, tag=tag)
+        return result
+
+    # ------------------------------------------------------------------ 6. checkpoint / resume
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "iteration": self.iteration,
+            "updates": self.updates,
+            "trainable": trainable_state(self.unwrapped),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "ema": None if self.ema is None else self.ema.state_dict(),
+            "algorithm": self.algorithm.state_dict(),
+            "rng": capture_rng_state(),
+            "history": self.history,
+            "evals": self.evals,
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_trainable_state(self.unwrapped, state["trainable"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self.ema is not None and state.get("ema") is not None:
+            self.ema.load_state_dict(state["ema"])
+        self.algorithm.load_state_dict(state["algorithm"])
+        restore_rng_state(state["rng"])
+        self.iteration = state["iteration"]
+        self.updates = state["updates"]
+        self.history = list(state.get("history", []))
+        self.evals = list(state.get("evals", []))
+
+    def save_checkpoint(self) -> Path | None:
+        """Atomic checkpoint of everything needed to resume, plus the LoRA in diffusers format (rank 0 writes)."""
+        self.acc.wait_for_everyone()
+        path = None
+        if self.acc.is_main_process:
+            writers = {}
+            if self.cfg.model.finetune == "lora":
+                writers["lora"] = lambda d: save_lora_weights(self.adapter.pipe, d, transformer=self.unwrapped)
+            path = self.ckpt.save(self.iteration, self.state_dict(), writers=writers)
+        self.acc.wait_for_everyone()
+        return path
+
+    def maybe_resume(self) -> bool:
+        path = self.ckpt.resolve(self.cfg.trainer.resume)
+        if path is None:
+            return False
+        self.load_state_dict(self.ckpt.load(path))
+        self._print(f"resumed from {path} at iteration {self.iteration}")
+        return True
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> dict[str, float]:
+        """One full iteration (phases 1–5); returns its scalars. ``self.iteration`` advances at the end."""
+        it = self.iteration
+        timings: dict[str, float] = {}
+
+        def timed(name, fn, *a):
+            t0 = time.perf_counter()
+            result = fn(*a)
+            timings[f"time/{name}"] = time.perf_counter() - t0
+            return result
+
+        batch = timed("plan", self.plan, it)
+        self._check_stop("plan")
+        batch = timed("rollout", self.rollout, batch, it)
+        self._check_stop("rollout")
+        batch = timed("score", self.score, batch)
+        batch = timed("advantage", self.advantage, batch)
+        self._check_stop("score")
+        train = timed("update", self.update, batch, it)
+        self.algorithm.end_iteration()
+        self.iteration += 1
+        self._last_batch = batch
+        scalars = self._scalars(batch, train, timings)
+        return scalars
+
+    class _Abandon(Exception):
+        pass
+
+    def _stop_requested(self) -> bool:
+        """Whether any process got SIGTERM/SIGINT (signals reach ranks at different moments: they agree first)."""
+        if self._stop is None:
+            return False
+        requested = self._stop.requested
+        if self.world > 1:
+            flag = torch.tensor([float(requested)], device=self.device)
+            requested = bool(self.acc.reduce(flag, reduction="sum").item() > 0)
+        return requested
+
+    def _check_stop(self, phase: str) -> None:
+        if self._stop_requested():
+            raise Trainer._Abandon(phase)
+
+    def _scalars(self, batch: Batch, train: dict, timings: dict) -> dict[str, float]:
+        rewards = batch.global_rewards
+        out = {"iteration": self.iteration, "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std())}
+        for k, v in batch.components.items():
+            g = self.acc.gather(v.contiguous())
+            out[f"reward/{k}"] = float(torch.nanmean(g)) if torch.any(~torch.isnan(g)) else float("nan")
+        out.update({f"adv/{k}": v for k, v in advantage_stats(batch.global_advantages, rewards,
+                                                              self.cfg.trainer.group_size).items()})
+        out.update(train)
+        out.update(timings)
+        out["time/iteration"] = sum(timings.values())
+        nfe = self.acc.gather(torch.tensor([batch.nfe], device=self.device)).sum()
+        out["nfe/rollout"] = float(nfe)
+        out["updates"] = self.updates
+        return out
+
+    def fit(self) -> dict[str, Any]:
+        """Run (or resume) the whole training; returns a summary with the evaluations."""
+        from tqdm.auto import tqdm
+
+        t = self.cfg.trainer
+        self._stop = None
+        self.maybe_resume()
+        self._print(self.banner())
+        if t.eval_before and self.iteration == 0 and not self.evals:
+            self._record_eval()
+        bar = tqdm(total=t.iterations, initial=self.iteration, disable=not self.acc.is_main_process,
+                   desc="GRPO", dynamic_ncols=True)
+        stopped = None
+        with GracefulStop() as stop:
+            self._stop = stop
+            while self.iteration < t.iterations:
+                try:
+                    scalars = self.step()
+                except Trainer._Abandon as phase:
+                    stopped = f"stop requested during {phase}; iteration {self.iteration} abandoned"
+                    break
+                self.history.append(scalars)
+                bar.update(1)
+                bar.set_postfix(reward=f"{scalars['reward/mean']:.3f}")
+                if self.logger is not None and self.iteration % t.log_every == 0:
+                    self.logger.log(scalars, step=self.iteration)
+                if self.gallery is not None and t.gallery_every and self.iteration % t.gallery_every == 0:
+                    b = self._last_batch
+                    self.gallery.log(self.iteration, b.prompts, b.images, rewards=b.rewards, components=b.components,
+                                     advantages=b.advantages, tag="train")
+                last = self.iteration == t.iterations
+                if t.eval_every and self.iteration % t.eval_every == 0 and not last:
+                    self._record_eval()
+                if self._stop_requested():
+                    stopped = "stop requested; finished the iteration"
+                    break
+                if t.checkpoint_every and self.iteration % t.checkpoint_every == 0 and not last:
+                    self.save_checkpoint()
+        bar.close()
+        if stopped is None:
+            self._record_eval()
+        path = self.save_checkpoint()
+        summary = self.summary(path, stopped)
+        if self.logger is not None:
+            self.logger.finish()
+        return summary
+
+    def _record_eval(self) -> None:
+        result = self.evaluate()
+        if not result:
+            return
+        result["iteration"] = self.iteration
+        self.evals.append(result)
+        if self.logger is not None:
+            self.logger.log(result, step=self.iteration)
+        self._print("eval @ {}: ".format(self.iteration) + ", ".join(
+            f"{k.split('/', 1)[1]}={v:.3f}" for k, v in result.items() if k.startswith("eval/") and "/" not in k[5:]))
+
+    def summary(self, checkpoint: Path | None, stopped: str | None) -> dict[str, Any]:
+        first, last = (self.evals[0], self.evals[-1]) if self.evals else ({}, {})
+        summary = {"iterations": self.iteration, "updates": self.updates, "checkpoint": str(checkpoint) if checkpoint else None,
+                   "stopped": stopped, "eval_first": first, "eval_last": last}
+        if self.acc.is_main_process:
+            lines = [f"done: {self.iteration} iterations, {self.updates} optimizer updates" + (f" ({stopped})" if stopped else "")]
+            for key in sorted(k for k in last if k.startswith("eval/") and k.count("/") == 1):
+                if key in first:
+                    lines.append(f"  {key}: {first[key]:.3f} → {last[key]:.3f} ({last[key] - first[key]:+.3f})")
+            if checkpoint:
+                lines.append(f"  checkpoint: {checkpoint}")
+            print("\n".join(lines), flush=True)
+        return summary
