@@ -1,0 +1,211 @@
+"""Iteration cost of every algorithm on one model and batch, side by side, as JSON.
+
+    python scripts/bench_iteration.py                                  # tiny SD3 twin on CPU
+    python scripts/bench_iteration.py --model sd3_shapes --iterations 5 --out bench.json
+    python scripts/bench_iteration.py --set trainer.group_size=16 --set model.torch_dtype=bfloat16   # any override
+
+For each algorithm it runs warm-up + N iterations of the real trainer (``Trainer.step``) and reports the median
+wall time per iteration, the time per phase, rollout NFE (sample-steps of the velocity field), transformer
+forward calls (rollout) and forward+backward calls (update), the share of the iteration spent inside
+transformer calls and rewards, and ``ratios`` of each algorithm's iteration time to Flow-GRPO's. It also times
+a plain ``pipe(...)`` call at the same NFE and batch as a full-ODE rollout of ours (``rollout / pipeline``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+ALGORITHMS = {
+    "flow_grpo": ["algo=grpo", "sampler=sde"],
+    "dance_grpo": ["algo=grpo", "sampler=dance", "algo.timestep_fraction=0.6"],
+    "mix_grpo": ["algo=mix_grpo", "sampler=mix_sde"],
+    "mix_grpo_flash": ["algo=mix_grpo", "sampler=mix_sde_flash"],
+    "flash_grpo": ["algo=flash_grpo", "sampler=mix_sde"],
+}
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class CallTimer:
+    """Counts and times the forward calls of a module (wall time between pre- and post-hook, synchronised)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.calls = 0
+        self.samples = 0
+        self.seconds = 0.0
+        self._t0 = 0.0
+        self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
+
+    def _pre(self, module, args, kwargs=None):
+        _sync()
+        self._t0 = time.perf_counter()
+
+    def _post(self, module, args, output):
+        _sync()
+        self.seconds += time.perf_counter() - self._t0
+        self.calls += 1
+        x = args[0] if args else None
+        self.samples += int(x.shape[0]) if isinstance(x, torch.Tensor) else 0
+
+    def reset(self):
+        self.calls, self.samples, self.seconds = 0, 0, 0.0
+
+    def close(self):
+        for h in self._handles:
+            h.remove()
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    import flowgrpo.config  # noqa: F401
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return hydra_compose("train", overrides=overrides)
+
+
+def bench_algorithm(name: str, overrides: list[str], iterations: int, warmup: int, out_dir: Path) -> dict:
+    from flowgrpo.trainer import Trainer
+
+    cfg = compose([*overrides, *ALGORITHMS[name], f"trainer.output_dir={out_dir / name}", "logger=none",
+                   "trainer.eval_before=false", "trainer.eval_every=0", "trainer.gallery_every=0"])
+    trainer = Trainer(cfg, out_dir / name)
+    timer = CallTimer(trainer.unwrapped)
+    reward_time = [0.0]
+    reward = trainer.reward
+
+    def timed_reward(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return reward(*a, **k)
+        finally:
+            reward_time[0] += time.perf_counter() - t0
+
+    trainer.reward = timed_reward
+    rows = []
+    for i in range(warmup + iterations):
+        timer.reset()
+        reward_time[0] = 0.0
+        _sync()
+        scalars = trainer.step()
+        if i < warmup:
+            continue
+        rows.append({
+            "iteration": scalars["time/iteration"],
+            **{k.split("/", 1)[1]: v for k, v in scalars.items() if k.startswith("time/") and k != "time/iteration"},
+            "nfe": scalars["nfe/rollout"],
+            "transformer_calls": timer.calls,
+            "transformer_seconds": timer.seconds,
+            "reward_seconds": reward_time[0],
+        })
+    timer.close()
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    trained = trainer.batch.rollouts_per_process * trainer.batch.trained_steps * cfg.trainer.inner_epochs
+    return {
+        "seconds_per_iteration": med["iteration"],
+        "phases": {k: med[k] for k in ("plan", "rollout", "score", "advantage", "update")},
+        "rollout_nfe": med["nfe"],
+        "trained_transitions": trained,
+        "transformer_calls": med["transformer_calls"],
+        "transformer_seconds": med["transformer_seconds"],
+        "reward_seconds": med["reward_seconds"],
+        "outside_transformer_and_reward": 1 - (med["transformer_seconds"] + med["reward_seconds"]) / med["iteration"],
+        "algorithm": trainer.algorithm.describe(),
+    }
+
+
+def bench_pipeline(overrides: list[str], repeats: int) -> dict:
+    """Plain ``pipe(...)`` vs our full-ODE rollout through the adapter at the same NFE and batch."""
+    from flowgrpo.trainer import Trainer
+
+    cfg = compose([*overrides, "algo=grpo", "sampler=sde", "logger=none", "trainer.output_dir=" + tempfile.mkdtemp()])
+    trainer = Trainer(cfg, cfg.trainer.output_dir)
+    pipe, size = trainer.adapter.pipe, trainer.model_kw["size"]
+    batch = trainer.batch.rollout_batch_per_process
+    prompts = [trainer.train_set.prompts[i % len(trainer.train_set)] for i in range(batch)]
+    steps = cfg.sampler.num_steps
+    guidance = cfg.model.guidance_scale
+    call_kwargs = {k: v for k, v in size.items() if v is not None}
+
+    def run_pipe():
+        with torch.no_grad():
+            pipe(prompts, num_inference_steps=steps, guidance_scale=guidance, output_type="latent",
+                 generator=torch.Generator(trainer.device).manual_seed(0), **call_kwargs)
+
+    def run_ours():
+        from samplers import rollout
+
+        with torch.no_grad():
+            cond = trainer._encode(prompts)
+            noise = trainer.adapter.prepare_noise(batch, generator=torch.Generator(trainer.device).manual_seed(0), **size)
+            sigmas = trainer.sampler.sigmas
+            rollout(trainer._velocity_fn(cond), noise, sigmas, torch.zeros(steps, dtype=torch.bool))
+
+    times = {}
+    for name, fn in (("pipeline", run_pipe), ("rollout", run_ours)):
+        fn()  # warm-up
+        samples = []
+        for _ in range(repeats):
+            _sync()
+            t0 = time.perf_counter()
+            fn()
+            _sync()
+            samples.append(time.perf_counter() - t0)
+        times[name] = statistics.median(samples)
+    return {"batch": batch, "nfe": steps, "pipeline_seconds": times["pipeline"], "rollout_seconds": times["rollout"],
+            "rollout_over_pipeline": times["rollout"] / times["pipeline"]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny_sd3", help="conf/model option")
+    parser.add_argument("--reward", default="jpeg_compressibility", help="conf/reward option")
+    parser.add_argument("--iterations", type=int, default=3, help="timed iterations per algorithm (median)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
+    parser.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated subset")
+    parser.add_argument("--set", action="append", default=[], help="extra Hydra override (repeatable)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    overrides = [f"model={args.model}", f"reward={args.reward}", "trainer.iterations=1000", *args.set]
+    out_dir = Path(tempfile.mkdtemp(prefix="bench-iteration-"))
+    results = {}
+    for name in args.algorithms.split(","):
+        results[name] = bench_algorithm(name, overrides, args.iterations, args.warmup, out_dir)
+    report = {
+        "model": args.model,
+        "overrides": overrides,
+        "device": str(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else "cpu",
+        "algorithms": results,
+        "pipeline": bench_pipeline(overrides, repeats=max(1, args.iterations)),
+    }
+    if "flow_grpo" in results:
+        base = results["flow_grpo"]["seconds_per_iteration"]
+        report["ratios"] = {k: v["seconds_per_iteration"] / base for k, v in results.items()}
+        report["nfe_ratios"] = {k: v["rollout_nfe"] / results["flow_grpo"]["rollout_nfe"] for k, v in results.items()}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""The benchmark scripts run end to end at a tiny size and report what they promise (no timing assertions)."""
+
+import importlib.util
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_iteration_reports_every_algorithm_side_by_side(tmp_path):
+    bench = load_script("bench_iteration")
+    out = tmp_path / "bench.json"
+    report = bench.main([
+        "--iterations", "1", "--warmup", "0", "--algorithms", "flow_grpo,mix_grpo,flash_grpo", "--threads", "1",
+        "--out", str(out), "--set", "sampler.num_steps=4", "--set", "sampler.window.size=2",
+        "--set", "sampler.window.start=1", "--set", "trainer.prompts_per_iteration=2", "--set", "trainer.group_size=2",
+        "--set", "trainer.train_batch_size=4", "--set", "trainer.gradient_accumulation_steps=1",
+    ])
+    assert out.is_file()
+    algos = report["algorithms"]
+    assert set(algos) == {"flow_grpo", "mix_grpo", "flash_grpo"}
+    assert report["ratios"]["flow_grpo"] == 1.0
+    for name, row in algos.items():
+        assert row["seconds_per_iteration"] > 0 and set(row["phases"]) >= {"rollout", "update"}
+        assert 0 <= row["outside_transformer_and_reward"] < 1
+    # NFE bookkeeping: Flow-GRPO 4 rows × 4 steps; MixGRPO with shared noise runs its 1-step prefix once per prompt
+    assert algos["flow_grpo"]["rollout_nfe"] == 16
+    assert algos["mix_grpo"]["rollout_nfe"] == 2 * 1 + 4 * 3
+    # trained transitions: every step vs the window vs one step per sample
+    assert [algos[k]["trained_transitions"] for k in ("flow_grpo", "mix_grpo", "flash_grpo")] == [16, 8, 4]
+    assert report["pipeline"]["nfe"] == 4 and report["pipeline"]["rollout_over_pipeline"] > 0
+
