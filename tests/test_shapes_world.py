@@ -45,8 +45,8 @@ def test_palette_and_classes_match_the_spec_and_the_detector():
         "black": (20, 20, 20),
     }
     assert CLASSES == ("circle", "square", "triangle")
-    # rewards must not import flowgrpo, so it keeps its own copy: they must agree.
-    assert shapes_module.PALETTE == PALETTE and shapes_module.CLASSES == CLASSES
+    # the renderer and the detector share one definition of the spec
+    assert shapes_module.PALETTE is PALETTE and shapes_module.CLASSES is CLASSES
 
 
 def test_render_follows_the_spec():

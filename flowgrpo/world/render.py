@@ -32,18 +32,10 @@ import numpy as np
 from PIL import Image
 
 from rewards.geneval.rules import position_direction
+from rewards.geneval.shapes import CLASSES, PALETTE  # one definition of the world's spec (flowgrpo -> rewards)
 
 __all__ = ["BACKGROUND", "CLASSES", "PALETTE", "Shape", "draw", "render", "render_array", "sample_scene", "shape_box"]
 
-CLASSES: tuple[str, ...] = ("circle", "square", "triangle")
-PALETTE: dict[str, tuple[int, int, int]] = {
-    "red": (220, 30, 30),
-    "yellow": (240, 200, 20),
-    "green": (30, 160, 50),
-    "blue": (30, 70, 220),
-    "purple": (140, 50, 180),
-    "black": (20, 20, 20),
-}
 BACKGROUND: tuple[int, int, int] = (255, 255, 255)
 
 _SQRT3 = math.sqrt(3.0)

@@ -45,7 +45,7 @@ from .rules import Detection
 __all__ = ["CLASSES", "PALETTE", "ShapesDetector"]
 
 CLASSES: tuple[str, ...] = ("circle", "square", "triangle")
-# Must equal flowgrpo.world.PALETTE (a test checks it); rewards never imports flowgrpo.
+# The shapes world's colours (DESIGN.md); flowgrpo.world renders with these very objects.
 PALETTE: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
     "yellow": (240, 200, 20),
