@@ -490,6 +490,8 @@ class Trainer:
             writers = {}
             if self.cfg.model.finetune == "lora":
                 writers["lora"] = lambda d: save_lora_weights(self.adapter.pipe, d, transformer=self.unwrapped)
+            else:  # the fine-tuned transformer in diffusers format: swap it into the pipeline with from_pretrained
+                writers["transformer"] = lambda d: self.unwrapped.save_pretrained(d, safe_serialization=True)
             path = self.ckpt.save(self.iteration, self.state_dict(), writers=writers)
         self.acc.wait_for_everyone()
         return path

@@ -192,3 +192,18 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
     assert moved > 1e-2  # the run really trained
     # Adam divides by sqrt(v): float-order noise of ~1e-6 in tiny gradients shows up at ~1e-3 of the step size.
     assert diff < 1e-2 * moved, (diff, moved)
+
+
+def test_full_finetuning_with_kl_trains_every_weight_and_saves_the_transformer(tmp_path):
+    trainer = Trainer(make_cfg(tmp_path, *ALGOS["flash_grpo"], "model.finetune=full", "algo.kl_beta=0.1",
+                               "trainer.iterations=1"), tmp_path)
+    before = trainable(trainer)
+    assert len(before) == len(list(trainer.unwrapped.parameters()))  # every transformer weight
+    trainer.fit()
+    after = trainable(trainer)
+    assert sum(not torch.equal(before[n], after[n]) for n in before) > len(before) // 2
+    assert "train/kl" in trainer.history[-1] and trainer.history[-1]["train/kl"] == 0.0  # ratio-1 step: π_θ = π_ref
+    from diffusers import SD3Transformer2DModel
+
+    saved = SD3Transformer2DModel.from_pretrained(trainer.ckpt.latest() / "transformer")
+    assert all(torch.equal(p, after[n]) for n, p in saved.named_parameters())
