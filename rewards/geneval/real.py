@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from .._loading import MissingWeightsError, check_tokenizer
 from .rules import MAX_OBJECTS, THRESHOLD, Detection
 
 __all__ = ["DEFAULT_CLIP", "DEFAULT_DETECTOR", "GENEVAL_CLASSES", "GENEVAL_COLORS", "RealDetector"]
@@ -53,11 +54,11 @@ CLASS_ALIASES = {"mouse": "computer mouse", "remote": "tv remote", "keyboard": "
 COLOR_TEMPLATES = ("a photo of a {c} {cls}", "a photo of a {c}-colored {cls}", "a photo of a {c} object")
 
 
-def _missing(what: str, path: str, kwarg: str, err: Exception) -> OSError:
-    return OSError(
-        f"GenEval 'real' detector: cannot load the {what} from {path!r} ({type(err).__name__}: {str(err).splitlines()[0]}). "
-        f"Download it (e.g. `huggingface-cli download {path}` where a hub is reachable) or set {kwarg}= to a local "
-        f"directory holding it: rewards.load('geneval', detector='real', {kwarg}='/path/to/checkpoint')."
+def _missing(what: str, path: str, kwarg: str, err: Exception) -> MissingWeightsError:
+    return MissingWeightsError(
+        "geneval", f"{what} of the 'real' detector", path, kwarg,
+        reason=f"{type(err).__name__}: {str(err).splitlines()[0]}",
+        example=f"rewards.load('geneval', detector='real', {kwarg}='/path/to/checkpoint')",
     )
 
 
@@ -111,11 +112,9 @@ class RealDetector:
                     clip_image_processor = AutoImageProcessor.from_pretrained(clip_path)
             except OSError as err:
                 raise _missing("CLIP model / tokenizer / image processor", clip_path, "clip_path", err) from err
-        if len(clip_tokenizer) < 256:  # PITFALLS: a missing CLIP tokenizer can load as a near-empty one
-            raise OSError(
-                f"GenEval 'real' detector: the CLIP tokenizer from {clip_path!r} has only {len(clip_tokenizer)} tokens; "
-                "set clip_path= to a complete CLIP checkpoint"
-            )
+        # PITFALLS: a missing CLIP tokenizer can load as a near-empty one
+        check_tokenizer(clip_tokenizer, clip_path, reward="geneval", kwarg="clip_path",
+                        example="rewards.load('geneval', detector='real', clip_path='/path/to/checkpoint')")
         self.model = model.to(self.device).eval()
         self.image_processor = image_processor
         self.clip_model = clip_model.to(self.device).eval()
