@@ -96,23 +96,12 @@ def weighted_advantages(
         weights: ``{name: w}``, non-negative with a positive sum; a zero weight drops the component.
         group_size, clip, **kw: as :func:`group_advantages` (``global_std``, ``eps``).
     """
-    if not weights:
-        raise ValueError("weighted_advantages needs at least one weight")
-    missing = sorted(set(weights) - set(components))
-    if missing:
-        raise KeyError(f"reward components {missing} have a weight but no scores; scored: {sorted(components)}")
-    if any(w < 0 for w in weights.values()) or not sum(weights.values()) > 0:
-        raise ValueError(f"reward weights must be >= 0 with a positive sum, got {weights}")
-    total = float(sum(weights.values()))
-    adv = None
-    for name, w in weights.items():
-        if w == 0:
-            continue
-        a = group_advantages(components[name], group_size, clip=None, **kw).to(torch.float64) * (w / total)
-        adv = a if adv is None else adv + a
-    if clip is not None:
-        adv = adv.clamp(-clip, clip)
-    return adv.to(torch.float32)
+    from rewards.aggregate import per_reward_group_advantages  # one implementation, usable without the trainer
+
+    for name in weights:
+        if name in components:
+            group_advantages(components[name], group_size, clip=None, **kw)  # same input checks (finite, shape)
+    return per_reward_group_advantages(components, weights, group_size, clip=clip, **kw)
 
 
 def advantage_stats(advantages: torch.Tensor, rewards: torch.Tensor, group_size: int) -> dict[str, float]:

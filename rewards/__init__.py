@@ -1,7 +1,18 @@
 """Reward models usable on their own: ``from rewards import load``. Never imports ``flowgrpo``."""
 
 from .base import RewardOutput, available, load, register
+from ._loading import MissingWeightsError  # raised by learned rewards whose weights are absent
+from .clip import CLIPScore, HPSv21, LaionAesthetic, PickScore  # registers "clipscore", "hpsv21", "aesthetic", "pickscore"
+from .image_reward import ImageReward  # registers "imagereward"
 from .geneval import GenEval  # registers "geneval"
 from .jpeg import JpegCompressibility  # registers "jpeg_compressibility", "jpeg_incompressibility"
+from .multi import MultiReward  # registers "multi"
+from .ocr import OcrReward  # registers "ocr"
+from .remote import RemoteReward  # registers "remote"
+from .video import VideoClipScore, VideoConsistency, VideoFlicker, VideoMotion  # registers "video_*"
 
-__all__ = ["GenEval", "JpegCompressibility", "RewardOutput", "available", "load", "register"]
+__all__ = [
+    "CLIPScore", "GenEval", "HPSv21", "ImageReward", "JpegCompressibility", "LaionAesthetic", "MissingWeightsError",
+    "MultiReward", "OcrReward", "PickScore", "RemoteReward", "RewardOutput", "VideoClipScore", "VideoConsistency",
+    "VideoFlicker", "VideoMotion", "available", "load", "register",
+]

@@ -1,6 +1,6 @@
 """``python -m rewards <command>``: score images with a reward, standalone.
 
-Commands (argparse subparsers; other rewards add theirs next to ``geneval``):
+Commands (argparse subparsers):
 
 ``python -m rewards list``
     the reward names ``rewards.load`` accepts.
@@ -21,6 +21,19 @@ Commands (argparse subparsers; other rewards add theirs next to ``geneval``):
     The summary has, over all images and per tag, ``strict`` (GenEval's verdict, mean), ``exact`` and
     ``partial`` (Flow-GRPO's), and ``geneval`` = mean over tags of the per-tag strict accuracy (GenEval's
     "overall score").
+
+``python -m rewards score --reward NAME --images DIR --prompts FILE [--kwargs JSON] [--out FILE]``
+    Score a folder of images with any reward, ``rewards.load(NAME, **json.loads(JSON))``, and print JSON:
+    ``{"summary": {...}, "images": [{"file", "index", "prompt", "score", <every component>}, ...]}``.
+
+    FILE is a text file with one prompt per line (blank lines and lines starting with ``#`` skipped), or a
+    ``.jsonl`` file of records holding ``"prompt"`` (the whole record is passed on as the image's metadata,
+    e.g. GenEval's clauses or the OCR reward's ``"text"``). Images are matched to prompt lines as by the
+    ``geneval`` command (a leading number in every file name is the 0-based line; otherwise sorted files
+    pair with lines in order). The summary's ``stats`` has ``n``/``mean``/``std``/``min``/``max`` of the score
+    and of every component over the images (NaN entries, e.g. a per-tag component on other tags' images,
+    left out); NaN is written as null.
+    Images only: video rewards take ``[B, T, 3, H, W]`` clips in code.
 """
 
 from __future__ import annotations
@@ -64,7 +77,11 @@ def _pair_images(images_dir: Path, metadata_file: Path | None) -> list[tuple[Pat
                 f"--images {images_dir}: no --metadata given and no GenEval layout (<digits>/metadata.jsonl + samples/)"
             )
         return pairs
-    metadata = _read_jsonl(metadata_file)
+    return _pair_files(images_dir, _read_jsonl(metadata_file), metadata_file, "metadata")
+
+
+def _pair_files(images_dir: Path, rows: list, rows_file: Path, what: str) -> list[tuple[Path, int, object]]:
+    """(image path, row index, row) per image file of ``images_dir``, by the rules in the module doc."""
     files = sorted(p for p in images_dir.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise SystemExit(f"--images {images_dir}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))})")
@@ -73,16 +90,16 @@ def _pair_images(images_dir: Path, metadata_file: Path | None) -> list[tuple[Pat
         pairs = []
         for path, match in zip(files, indices):
             index = int(match.group(1))
-            if index >= len(metadata):
-                raise SystemExit(f"{path.name}: index {index} but {metadata_file} has only {len(metadata)} lines")
-            pairs.append((path, index, metadata[index]))
+            if index >= len(rows):
+                raise SystemExit(f"{path.name}: index {index} but {rows_file} has only {len(rows)} lines")
+            pairs.append((path, index, rows[index]))
         return pairs
-    if len(files) != len(metadata):
+    if len(files) != len(rows):
         raise SystemExit(
-            f"{len(files)} images in {images_dir} but {len(metadata)} metadata lines in {metadata_file}; name the images "
-            "with a leading metadata index (e.g. 00012.png) or give exactly one image per line"
+            f"{len(files)} images in {images_dir} but {len(rows)} {what} lines in {rows_file}; name the images "
+            f"with a leading {what} index (e.g. 00012.png) or give exactly one image per line"
         )
-    return [(path, i, meta) for i, (path, meta) in enumerate(zip(files, metadata))]
+    return [(path, i, row) for i, (path, row) in enumerate(zip(files, rows))]
 
 
 def _cmd_geneval(args: argparse.Namespace) -> int:
@@ -146,6 +163,77 @@ def summarise(records: list[dict]) -> dict:
     return summary
 
 
+def _read_prompts(path: Path) -> list[tuple[str, dict | None]]:
+    """(prompt, metadata) per line of a text file (one prompt a line) or a JSONL file (records with "prompt")."""
+    if not path.is_file():
+        raise SystemExit(f"--prompts {path}: no such file")
+    if path.suffix.lower() == ".jsonl":
+        rows = []
+        for n, record in enumerate(_read_jsonl(path)):
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise SystemExit(f"{path}: record {n} has no string 'prompt'")
+            rows.append((record["prompt"], record))
+        return rows
+    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    return [(line, None) for line in lines if line and not line.startswith("#")]
+
+
+def _json_float(value: float) -> float | None:
+    return None if value != value or value in (float("inf"), float("-inf")) else float(value)
+
+
+def _cmd_score(args: argparse.Namespace) -> int:
+    import torch
+    from PIL import Image
+
+    from .base import load
+
+    try:
+        kwargs = json.loads(args.kwargs) if args.kwargs else {}
+    except json.JSONDecodeError as err:
+        raise SystemExit(f"--kwargs: not valid JSON ({err})") from err
+    if not isinstance(kwargs, dict):
+        raise SystemExit(f"--kwargs: expected a JSON object, got {args.kwargs!r}")
+    images_dir, prompts_file = Path(args.images), Path(args.prompts)
+    if not images_dir.is_dir():
+        raise SystemExit(f"--images {images_dir}: not a directory")
+    pairs = _pair_files(images_dir, _read_prompts(prompts_file), prompts_file, "prompt")
+    reward = load(args.reward, **kwargs)
+    records, columns = [], {}
+    for start in range(0, len(pairs), args.batch_size):
+        batch = pairs[start : start + args.batch_size]
+        images = [Image.open(path).convert("RGB") for path, _, _ in batch]
+        prompts = [row[0] for _, _, row in batch]
+        metadata = [row[1] for _, _, row in batch]
+        out = reward(images, prompts, None if all(m is None for m in metadata) else metadata)
+        clash = sorted(set(out.components) & {"file", "index", "prompt", "score"})
+        if clash:
+            raise ValueError(f"reward {args.reward!r} has components named {clash}, which clash with the record's fields")
+        values = {"score": out.scores, **out.components}
+        for i, (path, index, (prompt, _)) in enumerate(batch):
+            record = {"file": str(path.relative_to(images_dir)), "index": index, "prompt": prompt}
+            for name, value in values.items():
+                record[name] = _json_float(float(value[i]))
+                columns.setdefault(name, []).append(float(value[i]))
+            records.append(record)
+    summary = {"reward": args.reward, "kwargs": kwargs, "n": len(records), "stats": {}}
+    for name, column in columns.items():
+        t = torch.tensor(column, dtype=torch.float64)
+        t = t[torch.isfinite(t)]
+        summary["stats"][name] = {"n": int(t.numel()), "mean": _json_float(float(t.mean())) if t.numel() else None,
+                         "std": _json_float(float(t.std(correction=0))) if t.numel() else None,
+                         "min": _json_float(float(t.min())) if t.numel() else None,
+                         "max": _json_float(float(t.max())) if t.numel() else None}
+    result = {"summary": summary, "images": records}
+    text = json.dumps(result, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+        print(json.dumps(summary, indent=1))
+    else:
+        print(text)
+    return 0
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     from .base import available
 
@@ -163,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "geneval",
         help="GenEval-score a folder of images against GenEval metadata",
-        description=__doc__.split("``python -m rewards geneval")[1].split("\n", 1)[1],
+        description=__doc__.split("``python -m rewards geneval")[1].split("\n", 1)[1].split("``python -m rewards score")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--images", required=True, help="folder of images (see matching rules above)")
@@ -176,6 +264,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--out", default=None, help="write the full JSON here (the summary still goes to stdout)")
     p.set_defaults(func=_cmd_geneval)
+
+    p = sub.add_parser(
+        "score",
+        help="score a folder of images with any reward",
+        description=__doc__.split("``python -m rewards score")[1].split("\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--reward", required=True, help="reward name (python -m rewards list)")
+    p.add_argument("--images", required=True, help="folder of images (matched to prompt lines as above)")
+    p.add_argument("--prompts", required=True, help="prompts: .txt (one a line) or .jsonl (records with 'prompt')")
+    p.add_argument("--kwargs", default=None, help='JSON object of reward constructor kwargs, e.g. \'{"quality": 90}\'')
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--out", default=None, help="write the full JSON here (the summary still goes to stdout)")
+    p.set_defaults(func=_cmd_score)
     return parser
 
 
@@ -188,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         args.clip_path = args.clip_path or DEFAULT_CLIP
     try:
         return args.func(args)
-    except (ValueError, OSError) as err:  # bad metadata, missing weights: say what, no traceback
+    except (ValueError, OSError, KeyError, TypeError, ImportError, RuntimeError) as err:  # say what, no traceback
         print(f"python -m rewards {args.command}: error: {err}", file=sys.stderr)
         return 2
 
