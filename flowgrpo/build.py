@@ -85,7 +85,7 @@ def build_adapter(model: DictConfig, *, device: str | torch.device = "cpu"):
     from .models import load_adapter  # heavy (diffusers): import on use
 
     pretrained = model.pretrained
-    if not pretrained.startswith("tiny-random:"):
+    if not pretrained.startswith(("tiny-random:", "random-init:")):
         local = resolve_path(pretrained)
         if local is not None:
             pretrained = str(local)

@@ -27,7 +27,7 @@ def to_uint8_images(images) -> list[np.ndarray]:
     """Convert float ``[B, 3, H, W]`` in [0, 1], uint8 ``[B, 3, H, W]``, or a list of PIL images / arrays."""
     if isinstance(images, torch.Tensor):
         if images.ndim == 5:
-            raise ValueError(f"GenEval scores images, not videos: got a tensor of shape {tuple(images.shape)}")
+            raise ValueError(f"this reward scores images [B, 3, H, W], not videos: got shape {tuple(images.shape)}")
         if images.ndim != 4:
             raise ValueError(f"images: expected [B, 3, H, W], got shape {tuple(images.shape)}")
         x = images.detach().cpu()

@@ -36,3 +36,18 @@ def test_bench_iteration_reports_every_algorithm_side_by_side(tmp_path):
     assert [algos[k]["trained_transitions"] for k in ("flow_grpo", "mix_grpo", "flash_grpo")] == [16, 8, 4]
     assert report["pipeline"]["nfe"] == 4 and report["pipeline"]["rollout_over_pipeline"] > 0
 
+
+
+def test_gpu_check_replays_the_iteration_calls_for_its_floor(tmp_path):
+    check = load_script("gpu_check")
+    report = check.main(["--tiny", "--models", "sd35_medium", "--algorithms", "flow_grpo,flash_grpo",
+                         "--iterations", "1", "--warmup", "0", "--out", str(tmp_path / "gpu.json")])
+    rows = report["models"]["sd35_medium"]
+    # tiny preset: 2 prompts × 2 = 4 rows in one micro-batch, 4 steps. Flow-GRPO: 4 rollout forwards, 4 trained
+    # steps (forward+backward) each with one reference forward for its KL term (algo=grpo has kl_beta > 0).
+    assert (rows["flow_grpo"]["velocity_calls_forward"], rows["flow_grpo"]["velocity_calls_forward_backward"]) == (8, 4)
+    # Flash-GRPO: one trained step per sample, all 4 samples in one micro-batch → a single forward+backward.
+    assert rows["flash_grpo"]["velocity_calls_forward_backward"] == 1
+    for row in rows.values():
+        assert row["floor_seconds"] > 0 and row["iteration_over_floor"] > 0
+    assert rows["flow_grpo"]["ratio_to_flow_grpo"] == 1.0 and (tmp_path / "gpu.json").is_file()

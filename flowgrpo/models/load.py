@@ -18,6 +18,7 @@ __all__ = ["ADAPTERS", "load_adapter", "parse_dtype"]
 ADAPTERS: dict[str, type[FlowAdapter]] = {"sd3": SD3Adapter, "flux": FluxAdapter, "wan": WanAdapter}
 ATTENTION_BACKENDS = ("sdpa", "xformers")
 TINY_PREFIX = "tiny-random:"
+RANDOM_PREFIX = "random-init:"  # published architectures at random init, for cost measurements
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -134,6 +135,12 @@ def load_adapter(
             raise ValueError(f"`model.pretrained={pretrained}` does not match `model.family={family}`.")
         pipe = build_tiny_pipeline(family, torch_dtype=dtype)
         check_tokenizers(pipe, pretrained)
+    elif pretrained.startswith(RANDOM_PREFIX):
+        from .random_init import build_random_pipeline
+
+        pipe = build_random_pipeline(pretrained[len(RANDOM_PREFIX) :], torch_dtype=dtype)
+        if not isinstance(pipe, adapter_cls.pipeline_class):
+            raise ValueError(f"`model.pretrained={pretrained}` is not a {family} architecture (`model.family`).")
     else:
         pipeline_cls = adapter_cls.pipeline_class
         try:
