@@ -51,3 +51,28 @@ def test_gpu_check_replays_the_iteration_calls_for_its_floor(tmp_path):
     for row in rows.values():
         assert row["floor_seconds"] > 0 and row["iteration_over_floor"] > 0
     assert rows["flow_grpo"]["ratio_to_flow_grpo"] == 1.0 and (tmp_path / "gpu.json").is_file()
+
+
+def test_bench_time_to_reward_writes_curves_per_seed(tmp_path):
+    bench = load_script("bench_time_to_reward")
+    out = tmp_path / "ttr.json"
+    # a target the baseline already meets (every run stops at its first evaluation) and one it cannot reach
+    report = bench.main([
+        "--model", "tiny_sd3", "--reward", "jpeg_compressibility", "--metric", "eval/reward", "--target", "-100",
+        "--seeds", "0,1", "--algorithms", "mix_grpo", "--max-iterations", "1", "--out", str(out), "--threads", "1",
+        "--set", "trainer.eval_num_prompts=2", "--set", "sampler.num_steps=3", "--set", "sampler.eval_num_steps=3",
+        "--set", "sampler.window.size=1", "--set", "trainer.prompts_per_iteration=2", "--set", "trainer.group_size=2",
+        "--set", "trainer.train_batch_size=4", "--set", "trainer.gradient_accumulation_steps=1",
+    ])
+    row = report["algorithms"]["mix_grpo"]
+    assert row["reached"] == "2/2" and row["median_iterations"] == 0
+    assert out.is_file() and out.with_suffix(".png").is_file()
+    report = bench.main([
+        "--model", "tiny_sd3", "--reward", "jpeg_compressibility", "--metric", "eval/reward", "--target", "100",
+        "--seeds", "0", "--algorithms", "flash_grpo", "--max-iterations", "1", "--out", str(out), "--threads", "1",
+        "--set", "trainer.eval_num_prompts=2", "--set", "sampler.num_steps=3", "--set", "sampler.eval_num_steps=3", "--set", "sampler.window.size=1",
+        "--set", "trainer.prompts_per_iteration=2", "--set", "trainer.group_size=2",
+        "--set", "trainer.train_batch_size=4", "--set", "trainer.gradient_accumulation_steps=1",
+    ])
+    run = report["algorithms"]["flash_grpo"]["runs"][0]
+    assert not run["reached"] and [p["iteration"] for p in run["curve"]] == [0, 1] and run["seconds"] > 0
