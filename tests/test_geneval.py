@@ -214,20 +214,9 @@ def test_geneval_reward_errors_are_clear():
 
 def _byte_level_clip_tokenizer():
     """A tiny working CLIP tokenizer over the 256 byte-level symbols (PITFALLS: build it in memory)."""
-    from transformers import CLIPTokenizer
+    from flowgrpo.models.tiny import tiny_clip_tokenizer  # tests may import every package; one builder
 
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    symbols = [chr(c) for c in cs]
-    vocab = {s: i for i, s in enumerate(symbols)}
-    vocab.update({s + "</w>": 256 + i for i, s in enumerate(symbols)})
-    vocab["<|startoftext|>"], vocab["<|endoftext|>"] = 512, 513
-    return CLIPTokenizer(vocab=vocab, merges=[])
+    return tiny_clip_tokenizer()
 
 
 @pytest.fixture(scope="module")
