@@ -79,9 +79,10 @@ def tiny_t5_tokenizer() -> T5Tokenizer:
     return T5Tokenizer(vocab=pieces, extra_ids=0)
 
 
-def _clip_config(tokenizer: CLIPTokenizer) -> CLIPTextConfig:
+def clip_text_config(tokenizer: CLIPTokenizer, **overrides) -> CLIPTextConfig:
+    """A small CLIP text config whose special-token ids come from ``tokenizer``; ``overrides`` resize it."""
     # eos_token_id != 2 makes CLIP pool at the first EOS token (the modern path), as the real checkpoints do.
-    return CLIPTextConfig(
+    config = dict(
         vocab_size=len(tokenizer),
         hidden_size=_WIDTH,
         intermediate_size=37,
@@ -94,6 +95,8 @@ def _clip_config(tokenizer: CLIPTokenizer) -> CLIPTextConfig:
         pad_token_id=tokenizer.pad_token_id,
         hidden_act="gelu",
     )
+    config.update(overrides)
+    return CLIPTextConfig(**config)
 
 
 def _t5_kwargs(tokenizer: T5Tokenizer) -> dict:
@@ -147,9 +150,9 @@ def _sd3(seed: int, with_t5: bool = False) -> StableDiffusion3Pipeline:
     )
     tokenizer, tokenizer_2 = tiny_clip_tokenizer(), tiny_clip_tokenizer()
     torch.manual_seed(seed + 1)
-    text_encoder = CLIPTextModelWithProjection(_clip_config(tokenizer))
+    text_encoder = CLIPTextModelWithProjection(clip_text_config(tokenizer))
     torch.manual_seed(seed + 2)
-    text_encoder_2 = CLIPTextModelWithProjection(_clip_config(tokenizer_2))
+    text_encoder_2 = CLIPTextModelWithProjection(clip_text_config(tokenizer_2))
     text_encoder_3 = tokenizer_3 = None
     if with_t5:
         tokenizer_3 = tiny_t5_tokenizer()
@@ -190,7 +193,7 @@ def _flux(seed: int) -> FluxPipeline:
     )
     tokenizer, tokenizer_2 = tiny_clip_tokenizer(), tiny_t5_tokenizer()
     torch.manual_seed(seed + 1)
-    text_encoder = CLIPTextModel(_clip_config(tokenizer))
+    text_encoder = CLIPTextModel(clip_text_config(tokenizer))
     torch.manual_seed(seed + 2)
     text_encoder_2 = T5EncoderModel(T5Config(**_t5_kwargs(tokenizer_2)))
     torch.manual_seed(seed + 3)
