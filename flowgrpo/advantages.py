@@ -66,17 +66,10 @@ def group_advantages(
         bad = (~torch.isfinite(r)).flatten().nonzero().flatten().tolist()
         raise ValueError(f"non-finite rewards at rows {bad[:8]}{' ...' if len(bad) > 8 else ''}: a reward must "
                          "raise rather than return NaN/inf (it would poison every advantage of the batch)")
-    centred = r - r.mean(dim=1, keepdim=True)
-    if global_std:
-        std = r.flatten().std(correction=0)
-    else:
-        std = r.std(dim=1, correction=0, keepdim=True)
-    adv = centred / (std + eps)
-    flat = (r.amax(dim=1) == r.amin(dim=1)).unsqueeze(1)
-    adv = torch.where(flat, torch.zeros_like(adv), adv)
-    if clip is not None:
-        adv = adv.clamp(-clip, clip)
-    return adv.flatten().to(torch.float32)
+    from rewards.aggregate import per_reward_group_advantages  # the one group normaliser (usable standalone)
+
+    return per_reward_group_advantages({"reward": r.flatten()}, {"reward": 1.0}, group_size, clip=clip, eps=eps,
+                                       global_std=global_std)
 
 
 def weighted_advantages(
