@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ._loading import MissingWeightsError
+from ._loading import check_tokenizer, from_pretrained, resolve_device, resolve_dtype
 from .base import RewardOutput, register
 
 __all__ = ["to_video", "VideoClipScore", "VideoConsistency", "VideoFlicker", "VideoMotion"]
@@ -100,22 +100,6 @@ def _select_frames(video: torch.Tensor, num_frames: int | None) -> torch.Tensor:
     return video[:, index]
 
 
-def _device(device) -> torch.device:
-    """None → this process's current CUDA device (accelerate sets it per rank) if there is one, else the CPU."""
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _dtype(name) -> torch.dtype | None:
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    try:
-        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
-    except KeyError:
-        raise ValueError(f"torch_dtype must be float32, float16 or bfloat16, got {name!r}") from None
-
-
 def _features(out) -> torch.Tensor:
     """transformers 5 returns an output object from get_*_features (PITFALLS): the embedding is pooler_output."""
     return out if isinstance(out, torch.Tensor) else out.pooler_output
@@ -127,17 +111,13 @@ class _Clip:
     def __init__(self, reward: str, path: str, kwarg: str, device, torch_dtype):
         from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
 
-        try:
-            kw = {"torch_dtype": torch_dtype} if torch_dtype is not None else {}
-            self.model = CLIPModel.from_pretrained(path, **kw).to(device).eval()
-            self.tokenizer = AutoTokenizer.from_pretrained(path)
-            self.processor = AutoImageProcessor.from_pretrained(path)
-        except OSError as err:
-            raise MissingWeightsError(reward, "CLIP model / tokenizer / image processor", path, kwarg,
-                                      reason=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
-        if len(self.tokenizer) < 256:  # PITFALLS: a missing CLIP tokenizer can load as a near-empty one
-            raise MissingWeightsError(reward, "CLIP tokenizer", path, kwarg,
-                                      reason=f"it has only {len(self.tokenizer)} tokens")
+        kw = {"torch_dtype": torch_dtype} if torch_dtype is not None else {}
+        what = "CLIP model / tokenizer / image processor"
+        load = dict(reward=reward, what=what, kwarg=kwarg)
+        self.model = from_pretrained(CLIPModel.from_pretrained, path, **load, **kw).to(device).eval()
+        self.tokenizer = from_pretrained(AutoTokenizer.from_pretrained, path, **load)
+        self.processor = from_pretrained(AutoImageProcessor.from_pretrained, path, **load)
+        check_tokenizer(self.tokenizer, path, reward=reward, kwarg=kwarg)  # PITFALLS: near-empty when missing
         self.device = device
 
     @torch.no_grad()
@@ -171,7 +151,9 @@ class VideoClipScore:
     def __init__(self, clip_path: str = DEFAULT_CLIP, *, num_frames: int | None = 8, device=None,
                  torch_dtype: str | None = None, batch_size: int = 64):
         self.clip_path, self.num_frames, self.batch_size = clip_path, num_frames, int(batch_size)
-        self.device, self.torch_dtype = _device(device), _dtype(torch_dtype)
+        self.device = resolve_device(device)
+        # None keeps the checkpoint's own dtype
+        self.torch_dtype = None if torch_dtype is None else resolve_dtype(torch_dtype)
         self._clip: _Clip | None = None
         self.load()  # fail at construction, before any rollout, when the weights are missing
 
@@ -217,7 +199,9 @@ class VideoConsistency:
         self.backbone = backbone
         self.model_path = model_path or {"dino": DEFAULT_DINO, "clip": DEFAULT_CLIP}.get(backbone)
         self.num_frames, self.image_size, self.batch_size = num_frames, int(image_size), int(batch_size)
-        self.device, self.torch_dtype = _device(device), _dtype(torch_dtype)
+        self.device = resolve_device(device)
+        # None keeps the checkpoint's own dtype
+        self.torch_dtype = None if torch_dtype is None else resolve_dtype(torch_dtype)
         self._model = None
         self.load()  # fail at construction, before any rollout, when the weights are missing
 
@@ -229,13 +213,9 @@ class VideoConsistency:
             return self
         from transformers import AutoModel
 
-        try:
-            kw = {"torch_dtype": self.torch_dtype} if self.torch_dtype is not None else {}
-            model = AutoModel.from_pretrained(self.model_path, **kw)
-        except OSError as err:
-            raise MissingWeightsError("video_consistency", "DINO backbone (a transformers ViT-style model)",
-                                      self.model_path, "model_path",
-                                      reason=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
+        kw = {"torch_dtype": self.torch_dtype} if self.torch_dtype is not None else {}
+        model = from_pretrained(AutoModel.from_pretrained, self.model_path, reward="video_consistency",
+                                what="DINO backbone (a transformers ViT-style model)", kwarg="model_path", **kw)
         self._model = model.to(self.device).eval()
         self._interpolate = "interpolate_pos_encoding" in inspect.signature(model.forward).parameters
         return self
