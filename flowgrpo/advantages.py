@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["group_advantages", "weighted_advantages", "advantage_stats"]
+__all__ = ["group_advantages", "weighted_advantages", "advantage_stats", "RewardAggregator"]
 
 
 def _groups(values: torch.Tensor, group_size: int, name: str = "rewards") -> torch.Tensor:
@@ -122,3 +122,58 @@ def advantage_stats(advantages: torch.Tensor, rewards: torch.Tensor, group_size:
         "adv_zero_fraction": (a == 0).double().mean(),
     }
     return {k: float(v) for k, v in stats.items()}
+
+
+class RewardAggregator:
+    """Phase 4 for a multi-component reward (``reward=multi``), chosen by ``reward.aggregate.name``:
+
+    * ``per_reward`` — one group advantage per weighted component, combined with normalised weights
+      (:func:`weighted_advantages`; DanceGRPO / MixGRPO ``advantage_aggr``);
+    * ``taros`` — :class:`rewards.aggregate.TaRoS` (saturation-aware normalisation, intra-group sparsity), whose
+      running spread is part of the training state (:meth:`state_dict`) and whose diagnostics are logged.
+
+    (``sum``, the default, needs no aggregator: the algorithm normalises the weighted sum like any reward.)
+    Always called on the gathered global batch, so every process computes the same advantages.
+
+    Args:
+        aggregate: the ``reward.aggregate`` config node.
+        weights: ``{component: weight}`` (``MultiReward.weights``).
+        global_std, clip: the algorithm's (``algo.global_std``, ``algo.adv_clip``).
+    """
+
+    def __init__(self, aggregate, weights: dict[str, float], *, global_std: bool = False, clip: float | None = 5.0):
+        from rewards.aggregate import TaRoS
+
+        self.name = str(aggregate.name)
+        self.weights = dict(weights)
+        self.global_std, self.clip = bool(global_std), clip
+        self.taros = None
+        if self.name == "taros":
+            bounds = {k: tuple(v) for k, v in dict(aggregate.bounds or {}).items()}
+            self.taros = TaRoS(self.weights, tau=aggregate.tau, kappa=aggregate.kappa, ema_decay=aggregate.ema_decay,
+                               bounds=bounds, headroom_min=aggregate.headroom_min, renorm=aggregate.renorm, clip=clip)
+        elif self.name != "per_reward":
+            raise ValueError(f"reward.aggregate.name={self.name!r}: RewardAggregator handles per_reward and taros")
+
+    def __call__(self, components: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
+        """Float32 advantages ``[N]`` from the gathered components ``{name: [N]}``."""
+        missing = sorted(set(self.weights) - set(components))
+        if missing:
+            raise KeyError(f"reward components {missing} have a weight but were not scored; scored: {sorted(components)}")
+        if self.taros is not None:
+            return self.taros({k: components[k] for k in self.weights}, group_size)
+        return weighted_advantages(components, self.weights, group_size, clip=self.clip, global_std=self.global_std)
+
+    def diagnostics(self) -> dict[str, float]:
+        """TaRoS's per-component scalars of the last call (empty for ``per_reward``)."""
+        return {} if self.taros is None else self.taros.diagnostics()
+
+    def state_dict(self) -> dict:
+        return {"name": self.name, "taros": None if self.taros is None else self.taros.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("name") != self.name:
+            raise ValueError(f"checkpoint aggregated rewards with {state.get('name')!r}, this run with {self.name!r} "
+                             "(reward.aggregate.name)")
+        if self.taros is not None:
+            self.taros.load_state_dict(state["taros"])

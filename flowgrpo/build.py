@@ -31,6 +31,7 @@ __all__ = [
     "build_sampler",
     "build_reward",
     "PromptSet",
+    "prompt_pools",
     "build_prompts",
     "RunLogger",
     "build_logger",
@@ -271,6 +272,24 @@ def _read_prompts(path: Path, fmt: str, prompt_key: str, key_name: str) -> Promp
     if not prompts:
         raise ValueError(f"{key_name}={str(path)!r} holds no prompts")
     return PromptSet(prompts, metadata, str(path))
+
+
+def prompt_pools(prompts: PromptSet, sampling: str) -> list[list[int]]:
+    """Index pools the trainer draws prompts from: one pool of everything (``data.sampling=uniform``), or one
+    pool per metadata ``tag`` in first-seen order (``tag_balanced``: each tag equally often, whatever its size).
+
+    Raises:
+        ValueError: naming ``data.sampling`` when ``tag_balanced`` meets prompts without a ``tag`` field.
+    """
+    if sampling == "uniform":
+        return [list(range(len(prompts)))]
+    if prompts.metadata is None or any("tag" not in m for m in prompts.metadata):
+        raise ValueError(f"data.sampling=tag_balanced needs a 'tag' field in every record of {prompts.source} "
+                         "(GenEval-style JSONL); use data.sampling=uniform")
+    pools: dict[str, list[int]] = {}
+    for i, m in enumerate(prompts.metadata):
+        pools.setdefault(str(m["tag"]), []).append(i)
+    return list(pools.values())
 
 
 def build_prompts(data: DictConfig, split: str = "train") -> PromptSet | None:

@@ -80,9 +80,6 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     trainer = Trainer(cfg, out, accelerator=accelerator)
     summary = trainer.fit()
     if accelerator.is_main_process:
-        with open(out / "metrics.jsonl", "w") as f:
-            for row in trainer.history + trainer.evals:
-                f.write(json.dumps(row) + "\n")
         summary["curves"] = str(plot_curves(trainer.history, trainer.evals, out / "curves.png"))
         summary["output_dir"] = str(out)
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

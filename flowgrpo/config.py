@@ -160,11 +160,25 @@ class AlgoConfig:
 
 
 @dataclass
+class AggregateConfig:
+    """How phase 4 turns a multi-component reward (``reward=multi``) into advantages (``rewards.aggregate``)."""
+
+    name: str = _knob("sum", choices=("sum", "per_reward", "taros"))  # sum: group-normalise the weighted sum
+    tau: float = _knob(0.5, ge=0)  # taros: spread floor as a fraction of its running mean
+    kappa: float = _knob(0.1, ge=0)  # taros: soft threshold on the normalised advantage
+    ema_decay: float = _knob(0.9, ge=0, le=0.999)  # taros: running-mean decay of the group spread
+    headroom_min: float = _knob(0.05, ge=0, le=1)  # taros: gate a bounded component with less headroom than this
+    renorm: str = _knob("weights", choices=("weights", "std"))  # taros: re-normalise weights or the group's std
+    bounds: Dict[str, List[float]] = field(default_factory=dict)  # taros: {component: [min, max]} for the gate
+
+
+@dataclass
 class RewardConfig:
     """``rewards.load(name, **kwargs)`` (``conf/reward/``); kwargs are the reward's own constructor arguments."""
 
     name: str = MISSING  # registry name, see rewards.available()
     kwargs: Dict[str, Any] = field(default_factory=dict)  # passed to the reward constructor
+    aggregate: AggregateConfig = field(default_factory=AggregateConfig)  # multi-component advantages
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -180,6 +194,7 @@ class DataConfig:
     test_file: Optional[str] = MISSING  # held-out prompts; null = none (each option says)
     prompt_key: str = "prompt"  # JSONL field holding the prompt text
     max_prompts: Optional[int] = _knob(None, ge=1)  # keep only the first N training prompts (debugging)
+    sampling: str = _knob("uniform", choices=("uniform", "tag_balanced"))  # tag_balanced: tag first, then a prompt of it
 
 
 # -------------------------------------------------------------------------------------------- logger
@@ -238,6 +253,8 @@ class TrainerConfig:
     eval_every: int = _knob(10, ge=0)  # iterations between held-out evaluations; 0 = only before/after
     eval_before: bool = True  # evaluate the pretrained model first (the baseline)
     eval_num_prompts: Optional[int] = _knob(None, ge=1)  # held-out prompts per evaluation; null = all
+    eval_samples_per_prompt: int = _knob(1, ge=1)  # fixed-seed images per held-out prompt (GenEval: 4)
+    eval_samples_per_tag: Optional[int] = _knob(None, ge=1)  # at least this many images per metadata tag (small tags get more seeds)
     gallery_every: int = _knob(10, ge=0)  # iterations between galleries (PNG grid + parquet + W&B table); 0 = off
     gallery_size: int = _knob(16, ge=1)  # samples per gallery
     log_every: int = _knob(1, ge=1)  # iterations between scalar logs
@@ -334,6 +351,10 @@ def _cross_checks(cfg: DictConfig, errors: list[str]) -> None:
         if m.family != "wan" and m.num_frames is not None:
             errors.append(f"model.num_frames={m.num_frames} is only for video models (model.family='wan'): "
                           "set it to null")
+    r = cfg.get("reward")
+    if r is not None and not OmegaConf.is_missing(r, "name") and r.aggregate.name != "sum" and r.name != "multi":
+        errors.append(f"reward.aggregate.name={r.aggregate.name!r} combines the components of a multi-reward, but "
+                      f"reward={r.name!r} has one score: use reward=multi, or reward.aggregate.name=sum")
     t = cfg.get("trainer")
     if t is not None and len(t.adam_betas) != 2:
         errors.append(f"trainer.adam_betas={list(t.adam_betas)} must hold two values [beta1, beta2]")

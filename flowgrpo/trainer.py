@@ -16,7 +16,9 @@ global batch, and a resumed run equals one that never stopped.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -28,15 +30,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from samplers import rollout, sde_kl, sde_step
 
-from .advantages import advantage_stats
+from .advantages import RewardAggregator, advantage_stats
 from .algorithms import RolloutPlan, build_algorithm
 from .algorithms.losses import ppo_clip_loss, reduce_log_prob
-from .build import batch_plan, build_adapter, build_prompts, build_reward, build_sampler, model_kwargs
+from .build import batch_plan, build_adapter, build_prompts, build_reward, build_sampler, model_kwargs, prompt_pools
 from .checkpoint import CheckpointManager, GracefulStop, capture_rng_state, restore_rng_state, save_lora_weights
 from .finetune import EMA, frozen_reference, load_trainable_state, prepare_trainable, reference_policy, trainable_state
 from .gallery import Gallery
 
-__all__ = ["Trainer", "Batch"]
+__all__ = ["Trainer", "Batch", "geneval_overall", "eval_seed_counts"]
 
 _MIX = 1_000_003  # odd multiplier mixing (seed, iteration, index) into one generator seed
 
@@ -75,6 +77,32 @@ class Batch:
 
 def _subset_plan(plan: RolloutPlan, rows: torch.Tensor) -> RolloutPlan:
     return replace(plan, sde_mask=plan.sde_mask[rows], train_mask=plan.train_mask[rows])
+
+
+def eval_seed_counts(prompts, per_prompt: int, per_tag: int | None) -> list[int]:
+    """Fixed seeds per held-out prompt: ``per_prompt`` each, raised so that every metadata ``tag`` gets at least
+    ``per_tag`` images (``ceil(per_tag / prompts of the tag)`` per prompt): a tag-averaged score (GenEval's overall)
+    is then not dominated by the noise of tags with one or two prompts."""
+    counts = [per_prompt] * len(prompts)
+    if per_tag is None or prompts.metadata is None:
+        return counts
+    sizes: dict[str, int] = {}
+    for m in prompts.metadata:
+        sizes[str(m.get("tag"))] = sizes.get(str(m.get("tag")), 0) + 1
+    return [max(c, math.ceil(per_tag / sizes[str(m.get("tag"))])) for c, m in zip(counts, prompts.metadata)]
+
+
+def geneval_overall(result: dict[str, float], tag: str = "eval") -> dict[str, float]:
+    """GenEval's overall score from the per-tag means ``{tag}/[prefix/]strict/<t>`` and ``…/partial/<t>`` of a
+    GenEval reward (``prefix`` names it inside ``reward=multi``), skipping NaN (absent) tags: the mean over tags,
+    ``{tag}/[prefix/]geneval`` and ``{tag}/[prefix/]geneval_partial``. Empty when nothing is per-tag."""
+    found: dict[tuple[str, str], list[float]] = {}
+    for key, value in result.items():
+        m = re.fullmatch(re.escape(tag) + r"/((?:.+/)?)(strict|partial)/[^/]+", key)
+        if m and not math.isnan(value):
+            found.setdefault((m.group(1), m.group(2)), []).append(value)
+    names = {"strict": "geneval", "partial": "geneval_partial"}
+    return {f"{tag}/{prefix}{names[kind]}": sum(v) / len(v) for (prefix, kind), v in found.items()}
 
 
 class Trainer:
@@ -124,8 +152,16 @@ class Trainer:
         self.sampler = build_sampler(cfg.sampler, adapter=self.adapter, model=cfg.model)
         self.algorithm = build_algorithm(cfg.algo, cfg.sampler, self.sampler.sigmas, window=self.sampler.window)
         self.reward = build_reward(cfg.reward)
+        self.aggregator = None
+        if cfg.reward.aggregate.name != "sum":
+            if not hasattr(self.reward, "weights"):
+                raise ValueError(f"reward.aggregate.name={cfg.reward.aggregate.name!r} needs a multi-component reward "
+                                 f"(reward=multi); {cfg.reward.name!r} has no per-component weights")
+            self.aggregator = RewardAggregator(cfg.reward.aggregate, self.reward.weights,
+                                               global_std=cfg.algo.global_std, clip=cfg.algo.adv_clip)
         self.train_set = build_prompts(cfg.data, "train")
         self.test_set = build_prompts(cfg.data, "test")
+        self.prompt_pools = prompt_pools(self.train_set, cfg.data.sampling)
 
         # Bookkeeping.
         self.iteration = 0
@@ -200,7 +236,12 @@ class Trainer:
         t, G = self.cfg.trainer, self.cfg.trainer.group_size
         N = t.prompts_per_iteration
         gen = _gen(t.seed, _PROMPTS, iteration)
-        idx = torch.randint(0, len(self.train_set), (N,), generator=gen).tolist()
+        if len(self.prompt_pools) == 1:  # uniform over the training prompts
+            idx = torch.randint(0, len(self.train_set), (N,), generator=gen).tolist()
+        else:  # data.sampling=tag_balanced: a tag uniformly, then a prompt of that tag uniformly
+            tags = torch.randint(0, len(self.prompt_pools), (N,), generator=gen).tolist()
+            picks = torch.rand(N, generator=gen).tolist()
+            idx = [self.prompt_pools[k][int(u * len(self.prompt_pools[k]))] for k, u in zip(tags, picks)]
         plan = self.algorithm.plan(N, G, generator=_gen(t.seed, _PROMPTS, iteration, 1))
         # Prompts are dealt to processes round-robin, so a group never straddles two processes.
         mine = list(range(self.rank, N, self.world))
@@ -295,7 +336,11 @@ class Trainer:
     def advantage(self, batch: Batch) -> Batch:
         """Normalise over the gathered global batch (process blocks are whole groups), keep this process's slice."""
         rewards = self.acc.gather(batch.rewards.contiguous())
-        adv = self.algorithm.advantages(rewards, self.cfg.trainer.group_size)
+        if self.aggregator is None:
+            adv = self.algorithm.advantages(rewards, self.cfg.trainer.group_size)
+        else:  # reward.aggregate: per-component advantages from the gathered components
+            comps = {k: self.acc.gather(batch.components[k].contiguous()) for k in self.aggregator.weights}
+            adv = self.aggregator(comps, self.cfg.trainer.group_size).to(rewards.device)
         n = len(batch.prompts)
         batch.advantages = adv[self.rank * n : (self.rank + 1) * n].to(self.device)
         batch.global_rewards = rewards
@@ -412,27 +457,36 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, tag: str = "eval") -> dict[str, float]:
-        """Held-out reward with a deterministic ODE (``sampler.eval_num_steps``), CFG and fixed per-prompt seeds,
-        with EMA weights when enabled. Prompts are dealt round-robin over processes and the scores gathered."""
+        """Held-out reward with a deterministic ODE (``sampler.eval_num_steps``), CFG and fixed seeds
+        (``trainer.eval_samples_per_prompt`` per prompt, sample j of prompt i seeded by ``(seed, i, j)``), with EMA
+        weights when enabled. Prompts are dealt round-robin over processes and the scores gathered.
+
+        Besides the mean over samples of the reward and each component, a GenEval-style reward (components
+        ``strict/<tag>``, ``partial/<tag>``) also gets GenEval's overall score: the mean over tags of the per-tag
+        means (``{tag}/geneval``, ``{tag}/geneval_partial``), so tags weigh equally whatever their prompt counts.
+        """
         if self.test_set is None:
             return {}
         t = self.cfg.trainer
         total = len(self.test_set) if t.eval_num_prompts is None else min(t.eval_num_prompts, len(self.test_set))
-        per_proc = math.ceil(total / self.world)
-        mine = [i for i in range(self.rank, per_proc * self.world, self.world)]
-        valid = torch.tensor([float(i < total) for i in mine], device=self.device)
-        idx = [min(i, total - 1) for i in mine]  # pad so every process runs the same number of prompts
-        local = self.test_set.subset(idx)
+        seeds = eval_seed_counts(self.test_set.subset(range(total)), t.eval_samples_per_prompt, t.eval_samples_per_tag)
+        # (prompt, seed) jobs dealt round-robin; every process runs the same number: padding is scored and dropped
+        everything = [(i, j) for i in range(total) for j in range(seeds[i])]
+        per_proc = math.ceil(len(everything) / self.world)
+        jobs = [(*everything[min(k, len(everything) - 1)], k < len(everything))
+                for k in range(self.rank, per_proc * self.world, self.world)]
+        valid = torch.tensor([float(ok) for _, _, ok in jobs], device=self.device)
+        local = self.test_set.subset([i for i, _, _ in jobs])
         chunk = max(1, self.batch.rollout_batch_per_process)
         sigmas = self.sampler.eval_sigmas
         scores, comps = [], {}
         images_kept = []
         with self.ema.swapped_in() if self.ema is not None else nullcontext():
-            for start in range(0, len(idx), chunk):
-                sub = list(range(start, min(start + chunk, len(idx))))
+            for start in range(0, len(jobs), chunk):
+                sub = list(range(start, min(start + chunk, len(jobs))))
                 part = local.subset(sub)
                 cond = self._encode(part.prompts)
-                gens = [_gen(t.seed, _EVAL, idx[i]) for i in sub]
+                gens = [_gen(t.seed, _EVAL, jobs[k][0], jobs[k][1]) for k in sub]
                 noise = self.adapter.prepare_noise(len(sub), generator=gens, **self.model_kw["size"])
                 traj = rollout(self._velocity_fn(cond), noise, sigmas, torch.zeros(sigmas.shape[0] - 1, dtype=torch.bool))
                 images = self.adapter.decode(traj.final).float().clamp(0, 1)
@@ -448,6 +502,7 @@ class Trainer:
         for k, parts in comps.items():
             v = self.acc.gather(torch.cat(parts))[keep]
             result[f"{tag}/{k}"] = float(torch.nanmean(v)) if torch.any(~torch.isnan(v)) else float("nan")
+        result.update(geneval_overall(result, tag))
         if self.gallery is not None and images_kept:
             prompts, images, out = images_kept[0]
             self.gallery.log(self.iteration, prompts, images, rewards=out.scores, components=out.components, tag=tag)
@@ -463,6 +518,7 @@ class Trainer:
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "ema": None if self.ema is None else self.ema.state_dict(),
             "algorithm": self.algorithm.state_dict(),
+            "aggregator": None if self.aggregator is None else self.aggregator.state_dict(),
             "rng": capture_rng_state(),
             "history": self.history,
             "evals": self.evals,
@@ -476,6 +532,11 @@ class Trainer:
         if self.ema is not None and state.get("ema") is not None:
             self.ema.load_state_dict(state["ema"])
         self.algorithm.load_state_dict(state["algorithm"])
+        if self.aggregator is not None:
+            if state.get("aggregator") is None:
+                raise ValueError("the checkpoint has no reward-aggregator state but this run sets "
+                                 f"reward.aggregate.name={self.aggregator.name!r}")
+            self.aggregator.load_state_dict(state["aggregator"])
         restore_rng_state(state["rng"])
         self.iteration = state["iteration"]
         self.updates = state["updates"]
@@ -555,6 +616,8 @@ class Trainer:
             out[f"reward/{k}"] = float(torch.nanmean(g)) if torch.any(~torch.isnan(g)) else float("nan")
         out.update({f"adv/{k}": v for k, v in advantage_stats(batch.global_advantages, rewards,
                                                               self.cfg.trainer.group_size).items()})
+        if self.aggregator is not None:
+            out.update({f"{self.aggregator.name}/{k}": v for k, v in self.aggregator.diagnostics().items()})
         out.update(train)
         out.update(timings)
         out["time/iteration"] = sum(timings.values())
@@ -571,6 +634,12 @@ class Trainer:
         self._stop = None
         self.maybe_resume()
         self._print(self.banner())
+        # metrics.jsonl: rewritten from the (restored) history, then one line per iteration / evaluation as they
+        # happen, so a crash or a kill loses nothing that was measured
+        self._metrics_path = self.out / "metrics.jsonl"
+        if self.acc.is_main_process:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self._metrics_path.write_text("".join(json.dumps(row) + "\n" for row in self.history + self.evals))
         if t.eval_before and self.iteration == 0 and not self.evals:
             self._record_eval()
         bar = tqdm(total=t.iterations, initial=self.iteration, disable=not self.acc.is_main_process,
@@ -585,6 +654,7 @@ class Trainer:
                     stopped = f"stop requested during {phase}; iteration {self.iteration} abandoned"
                     break
                 self.history.append(scalars)
+                self._append_metrics(scalars)
                 bar.update(1)
                 bar.set_postfix(reward=f"{scalars['reward/mean']:.3f}")
                 if self.logger is not None and self.iteration % t.log_every == 0:
@@ -610,12 +680,19 @@ class Trainer:
             self.logger.finish()
         return summary
 
+    def _append_metrics(self, row: dict) -> None:
+        path = getattr(self, "_metrics_path", None)
+        if path is not None and self.acc.is_main_process:
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
     def _record_eval(self) -> None:
         result = self.evaluate()
         if not result:
             return
         result["iteration"] = self.iteration
         self.evals.append(result)
+        self._append_metrics(result)
         if self.logger is not None:
             self.logger.log(result, step=self.iteration)
         self._print("eval @ {}: ".format(self.iteration) + ", ".join(

@@ -435,7 +435,7 @@ def test_train_py_end_to_end_on_the_tiny_twin(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     monkeypatch.setattr(sys, "argv", [
         "train.py", "model=tiny_sd3", "reward=jpeg_compressibility", "sampler=mix_sde", "sampler.num_steps=4",
-        "sampler.eval_num_steps=3", "sampler.window.size=2", "trainer.iterations=2", "trainer.eval_num_prompts=2",
+        "sampler.eval_num_steps=3", "sampler.window.size=2", "trainer.iterations=2", "trainer.eval_num_prompts=2", "trainer.eval_samples_per_tag=null",
         "trainer.prompts_per_iteration=2", "trainer.group_size=2", "trainer.train_batch_size=2",
         "trainer.gradient_accumulation_steps=1", "trainer.gallery_every=1", f"hydra.run.dir={run_dir}",
         "hydra/job_logging=none", "hydra/hydra_logging=none",  # no log handlers left pointing into tmp_path
@@ -462,3 +462,14 @@ def test_train_py_end_to_end_on_the_tiny_twin(tmp_path, monkeypatch, capsys):
     assert saved.data.train_file == "assets/prompts/shapes_train.jsonl"  # found under the repo root from any cwd
     assert (run_dir / ".hydra" / "config.yaml").is_file()
     assert not (tmp_path / "outputs").exists()
+
+
+def test_tag_balanced_prompt_pools():
+    from flowgrpo.build import PromptSet, prompt_pools
+
+    meta = [{"tag": "a"}, {"tag": "b"}, {"tag": "a"}, {"tag": "c"}]
+    ps = PromptSet(["p0", "p1", "p2", "p3"], meta, "mem")
+    assert prompt_pools(ps, "uniform") == [[0, 1, 2, 3]]
+    assert prompt_pools(ps, "tag_balanced") == [[0, 2], [1], [3]]
+    with pytest.raises(ValueError, match="data.sampling=tag_balanced"):
+        prompt_pools(PromptSet(["x"], None, "list.txt"), "tag_balanced")

@@ -60,7 +60,7 @@ def test_bench_time_to_reward_writes_curves_per_seed(tmp_path):
     report = bench.main([
         "--model", "tiny_sd3", "--reward", "jpeg_compressibility", "--metric", "eval/reward", "--target", "-100",
         "--seeds", "0,1", "--algorithms", "mix_grpo", "--max-iterations", "1", "--out", str(out), "--threads", "1",
-        "--set", "trainer.eval_num_prompts=2", "--set", "sampler.num_steps=3", "--set", "sampler.eval_num_steps=3",
+        "--set", "trainer.eval_num_prompts=2", "--set", "trainer.eval_samples_per_tag=null", "--set", "sampler.num_steps=3", "--set", "sampler.eval_num_steps=3",
         "--set", "sampler.window.size=1", "--set", "trainer.prompts_per_iteration=2", "--set", "trainer.group_size=2",
         "--set", "trainer.train_batch_size=4", "--set", "trainer.gradient_accumulation_steps=1",
     ])
@@ -70,9 +70,32 @@ def test_bench_time_to_reward_writes_curves_per_seed(tmp_path):
     report = bench.main([
         "--model", "tiny_sd3", "--reward", "jpeg_compressibility", "--metric", "eval/reward", "--target", "100",
         "--seeds", "0", "--algorithms", "flash_grpo", "--max-iterations", "1", "--out", str(out), "--threads", "1",
-        "--set", "trainer.eval_num_prompts=2", "--set", "sampler.num_steps=3", "--set", "sampler.eval_num_steps=3", "--set", "sampler.window.size=1",
+        "--set", "trainer.eval_num_prompts=2", "--set", "trainer.eval_samples_per_tag=null", "--set", "sampler.num_steps=3", "--set", "sampler.eval_num_steps=3", "--set", "sampler.window.size=1",
         "--set", "trainer.prompts_per_iteration=2", "--set", "trainer.group_size=2",
         "--set", "trainer.train_batch_size=4", "--set", "trainer.gradient_accumulation_steps=1",
     ])
     run = report["algorithms"]["flash_grpo"]["runs"][0]
     assert not run["reached"] and [p["iteration"] for p in run["curve"]] == [0, 1] and run["seconds"] > 0
+
+
+def test_bench_multireward_trains_each_aggregator_on_the_same_budget(tmp_path):
+    bench = load_script("bench_multireward")
+    out = tmp_path / "mr.json"
+    report = bench.main([
+        "--model", "tiny_sd3", "--iterations", "2", "--eval-every", "1", "--seeds", "0,1", "--eval-num-prompts", "2",
+        "--threads", "1", "--out", str(out), "--set", "sampler.num_steps=4", "--set", "sampler.eval_num_steps=2",
+        "--set", "trainer.prompts_per_iteration=2", "--set", "trainer.group_size=2",
+        "--set", "trainer.train_batch_size=4", "--set", "trainer.gradient_accumulation_steps=1",
+        "--set", "trainer.eval_samples_per_prompt=1", "--set", "trainer.eval_samples_per_tag=null",
+    ])
+    assert out.is_file() and out.with_suffix(".png").is_file()
+    assert set(report["summary"]) == {"sum", "taros"} and len(report["runs"]) == 4
+    for run in report["runs"]:
+        assert [p["iteration"] for p in run["curve"]] == [0, 1, 2] and len(run["train"]) == 2
+        assert run["curve"][0]["jpeg"] < 0  # −kB
+    # fixed evaluation seeds: both aggregators start from the same held-out numbers for a given seed
+    by = {(r["aggregator"], r["seed"]): r for r in report["runs"]}
+    assert by[("sum", 1)]["curve"][0] == by[("taros", 1)]["curve"][0]
+    row = report["summary"]["taros"]["geneval"]
+    assert row["change"]["mean"] == round(row["after"]["mean"] - row["before"]["mean"], 4) or \
+        abs(row["change"]["mean"] - (row["after"]["mean"] - row["before"]["mean"])) < 1e-3

@@ -24,6 +24,7 @@ BASE = [
     "trainer.iterations=2", "trainer.prompts_per_iteration=2", "trainer.group_size=2",
     "trainer.train_batch_size=4", "trainer.gradient_accumulation_steps=1",
     "trainer.eval_before=false", "trainer.eval_every=0", "trainer.eval_num_prompts=2",
+    "trainer.eval_samples_per_tag=null",
     "trainer.gallery_every=0", "trainer.checkpoint_every=0", "trainer.lr=3e-2",
 ]
 
@@ -160,12 +161,20 @@ def test_lora_checkpoint_loads_with_load_lora_weights(tmp_path):
     torch.testing.assert_close(after, sample(trained), atol=1e-5, rtol=1e-5)
 
 
+def _brightness(images, prompts, metadata=None):
+    """A reward continuous in the pixels (JPEG sizes jump by a byte on float-order noise; this does not)."""
+    from rewards.base import RewardOutput
+
+    return RewardOutput(scores=images.float().mean(dim=(1, 2, 3)), components={})
+
+
 def _two_process_worker(tmp_path):
     from accelerate import Accelerator
 
     torch.set_num_threads(1)
     acc = Accelerator(cpu=True)
     trainer = Trainer(make_cfg(tmp_path / "two", *ALGOS["flash_grpo"]), tmp_path / "two", accelerator=acc)
+    trainer.reward = _brightness
     history = [trainer.step() for _ in range(2)]
     if acc.is_main_process:
         torch.save({"params": trainable(trainer), "history": history}, tmp_path / "two.pt")
@@ -176,6 +185,7 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
     from accelerate import debug_launcher
 
     one = Trainer(make_cfg(tmp_path / "one", *ALGOS["flash_grpo"]), tmp_path / "one")
+    one.reward = _brightness
     start = trainable(one)
     history = [one.step() for _ in range(2)]
     debug_launcher(_two_process_worker, args=(tmp_path,), num_processes=2)
@@ -183,7 +193,7 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
     for h1, h2 in zip(history, two["history"]):
         # same prompts, noise, rewards and advantages: the batch split changes nothing but float summation order
         for key in ("reward/mean", "reward/std", "adv/adv_abs_mean", "nfe/rollout"):
-            assert h1[key] == pytest.approx(h2[key], rel=1e-5, abs=1e-6), key
+            assert h1[key] == pytest.approx(h2[key], rel=1e-4, abs=1e-6), key
         assert h1["train/grad_norm"] == pytest.approx(h2["train/grad_norm"], rel=1e-3)
     ref = trainable(one)
     assert ref.keys() == two["params"].keys()
@@ -207,3 +217,83 @@ def test_full_finetuning_with_kl_trains_every_weight_and_saves_the_transformer(t
 
     saved = SD3Transformer2DModel.from_pretrained(trainer.ckpt.latest() / "transformer")
     assert all(torch.equal(p, after[n]) for n, p in saved.named_parameters())
+
+
+def test_taros_advantages_come_from_the_gathered_components_and_resume_exactly(tmp_path):
+    """reward=multi with reward.aggregate.name=taros: phase 4 is TaRoS on the components, its running spread is
+    checkpointed, its diagnostics are logged, and a resumed run continues exactly."""
+    from rewards.aggregate import TaRoS
+
+    overrides = [*ALGOS["mix_grpo"], "reward=multi", "reward.aggregate.name=taros", "reward.aggregate.kappa=0.2",
+                 "trainer.checkpoint_every=1", "trainer.keep_checkpoints=5"]
+    straight = Trainer(make_cfg(tmp_path / "a", *overrides), tmp_path / "a")
+    assert straight.aggregator is not None and straight.aggregator.weights == {"geneval": 1.0, "jpeg_compressibility": 0.1}
+    reference = TaRoS(straight.aggregator.weights, tau=0.5, kappa=0.2, ema_decay=0.9)
+    for _ in range(2):
+        scalars = straight.step()
+        b = straight._last_batch
+        expected = reference({k: b.components[k] for k in reference.names}, group_size=2)
+        assert torch.equal(b.global_advantages.cpu(), expected)
+        assert "taros/jpeg_compressibility/saturation" in scalars and "taros/zero_group_fraction" in scalars
+        straight.history.append(scalars)
+        straight.save_checkpoint()
+    assert torch.equal(straight.aggregator.taros.sigma_ema, reference.sigma_ema)
+
+    resumed = Trainer(make_cfg(tmp_path / "b", *overrides,
+                               f"trainer.resume={tmp_path / 'a' / 'checkpoints' / 'checkpoint-000001'}"), tmp_path / "b")
+    assert resumed.maybe_resume() and resumed.iteration == 1 and resumed.aggregator.taros.num_updates == 1
+    resumed.step()
+    assert torch.equal(resumed.aggregator.taros.sigma_ema, straight.aggregator.taros.sigma_ema)
+    a, b = trainable(straight), trainable(resumed)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_per_reward_aggregation_and_its_config_errors(tmp_path):
+    from flowgrpo.advantages import weighted_advantages
+    from flowgrpo.config import ConfigError, validate
+
+    trainer = Trainer(make_cfg(tmp_path, *ALGOS["mix_grpo"], "reward=multi", "reward.aggregate.name=per_reward"), tmp_path)
+    trainer.step()
+    b = trainer._last_batch
+    assert torch.equal(b.global_advantages.cpu(), weighted_advantages(b.components, trainer.aggregator.weights, 2))
+    with pytest.raises(ConfigError, match="reward.aggregate.name='taros'.*use reward=multi"):
+        validate(make_cfg(tmp_path, "reward.aggregate.name=taros"))
+
+
+def test_evaluation_scores_several_seeds_per_prompt_and_reports_the_geneval_overall(tmp_path):
+    from flowgrpo.trainer import geneval_overall
+
+    assert geneval_overall({"eval/strict/a": 1.0, "eval/strict/b": 0.0, "eval/strict/c": float("nan"),
+                            "eval/partial/a": 1.0, "eval/partial/b": 0.5, "eval/reward": 0.1}) == \
+        {"eval/geneval": 0.5, "eval/geneval_partial": 0.75}
+    assert geneval_overall({"eval/reward": 0.3}) == {}
+    assert geneval_overall({"eval/geneval/strict/a": 0.5}) == {"eval/geneval/geneval": 0.5}  # inside reward=multi
+    from flowgrpo.build import PromptSet
+    from flowgrpo.trainer import eval_seed_counts
+
+    ps = PromptSet(list("abcd"), [{"tag": "x"}, {"tag": "y"}, {"tag": "y"}, {"tag": "y"}], "mem")
+    assert eval_seed_counts(ps, 1, None) == [1, 1, 1, 1] and eval_seed_counts(ps, 2, 4) == [4, 2, 2, 2]
+    one = Trainer(make_cfg(tmp_path / "1", "reward=geneval", "trainer.eval_num_prompts=3"), tmp_path / "1").evaluate()
+    cfg = make_cfg(tmp_path / "3", "reward=geneval", "trainer.eval_num_prompts=3", "trainer.eval_samples_per_prompt=3")
+    three = Trainer(cfg, tmp_path / "3")
+    calls = []
+    real = three.reward
+    three.reward = lambda images, prompts, metadata=None: calls.append(list(prompts)) or real(images, prompts, metadata)
+    result = three.evaluate()
+    prompts = [p for c in calls for p in c]
+    assert len(prompts) == 9 and prompts[0] == prompts[1] == prompts[2] != prompts[3]
+    tags = [k for k in result if k.startswith("eval/strict/") and result[k] == result[k]]
+    assert tags and result["eval/geneval"] == pytest.approx(sum(result[k] for k in tags) / len(tags))
+    assert set(one) == set(result)
+
+
+def test_tag_balanced_sampling_draws_every_tag_about_equally(tmp_path):
+    """data=geneval_shapes is 75% color_attr prompts; data.sampling=tag_balanced draws each tag ~1/6 of the time."""
+    from collections import Counter
+
+    trainer = Trainer(make_cfg(tmp_path, "data.sampling=tag_balanced"), tmp_path)
+    tags = Counter(m["tag"] for i in range(60) for m in trainer.plan(i).metadata[::2])
+    assert len(tags) == 6 and min(tags.values()) >= 10 and max(tags.values()) <= 35, tags
+    uniform = Trainer(make_cfg(tmp_path / "u", "data.sampling=uniform"), tmp_path / "u")
+    tags = Counter(m["tag"] for i in range(60) for m in uniform.plan(i).metadata[::2])
+    assert tags["color_attr"] > 60, tags
