@@ -1,13 +1,14 @@
 """Iteration cost of every algorithm on one model and batch, side by side, as JSON.
 
-    python scripts/bench_iteration.py                                  # tiny SD3 twin on CPU
-    python scripts/bench_iteration.py --model sd3_shapes --iterations 5 --out bench.json
+    python scripts/bench_iteration.py                                  # the embedded shapes pipeline, GenEval, CPU
+    python scripts/bench_iteration.py --model tiny_sd3 --reward jpeg_compressibility --iterations 5 --out bench.json
     python scripts/bench_iteration.py --set trainer.group_size=16 --set model.torch_dtype=bfloat16   # any override
 
 For each algorithm it runs warm-up + N iterations of the real trainer (``Trainer.step``) and reports the median
 wall time per iteration, the time per phase, rollout NFE (sample-steps of the velocity field), transformer
-forward calls (rollout) and forward+backward calls (update), the share of the iteration spent inside
-transformer calls and rewards, and ``ratios`` of each algorithm's iteration time to Flow-GRPO's. It also times
+forward calls (rollout) and forward+backward calls (update), the time in transformer forwards, backward passes,
+VAE decodes and the reward, the share of the iteration outside transformer calls and rewards (with and without
+the decode), and ``ratios`` of each algorithm's iteration time to Flow-GRPO's. It also times
 a plain ``pipe(...)`` call at the same NFE and batch as a full-ODE rollout of ours (``rollout / pipeline``).
 """
 
@@ -32,6 +33,9 @@ ALGORITHMS = {
     "mix_grpo": ["algo=mix_grpo", "sampler=mix_sde"],
     "mix_grpo_flash": ["algo=mix_grpo", "sampler=mix_sde_flash"],
     "flash_grpo": ["algo=flash_grpo", "sampler=mix_sde"],
+    # MixGRPO with its window frozen at the last position (start = T − w, set in bench_algorithm): the shared-noise
+    # ODE prefix is longest there, so this row shows what computing it once per prompt saves
+    "mix_grpo_late": ["algo=mix_grpo", "sampler=mix_sde", "sampler.window.schedule=frozen"],
 }
 
 
@@ -84,6 +88,8 @@ def bench_algorithm(name: str, overrides: list[str], iterations: int, warmup: in
 
     cfg = compose([*overrides, *ALGORITHMS[name], f"trainer.output_dir={out_dir / name}", "logger=none",
                    "trainer.eval_before=false", "trainer.eval_every=0", "trainer.gallery_every=0"])
+    if name == "mix_grpo_late":
+        cfg.sampler.window.start = cfg.sampler.num_steps - cfg.sampler.window.size
     trainer = Trainer(cfg, out_dir / name)
     timer = CallTimer(trainer.unwrapped)
     reward_time = [0.0]
@@ -97,10 +103,27 @@ def bench_algorithm(name: str, overrides: list[str], iterations: int, warmup: in
             reward_time[0] += time.perf_counter() - t0
 
     trainer.reward = timed_reward
+    # backward passes of the update (the transformer's, almost entirely) and VAE decodes, timed separately
+    extra = {"backward": 0.0, "decode": 0.0}
+
+    def timing(fn, key):
+        def wrapped(*a, **k):
+            _sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                _sync()
+                extra[key] += time.perf_counter() - t0
+        return wrapped
+
+    trainer.acc.backward = timing(trainer.acc.backward, "backward")
+    trainer.adapter.decode = timing(trainer.adapter.decode, "decode")
     rows = []
     for i in range(warmup + iterations):
         timer.reset()
         reward_time[0] = 0.0
+        extra.update(backward=0.0, decode=0.0)
         _sync()
         scalars = trainer.step()
         if i < warmup:
@@ -112,6 +135,8 @@ def bench_algorithm(name: str, overrides: list[str], iterations: int, warmup: in
             "transformer_calls": timer.calls,
             "transformer_seconds": timer.seconds,
             "reward_seconds": reward_time[0],
+            "backward_seconds": extra["backward"],
+            "decode_seconds": extra["decode"],
         })
     timer.close()
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
@@ -124,8 +149,17 @@ def bench_algorithm(name: str, overrides: list[str], iterations: int, warmup: in
         "transformer_calls": med["transformer_calls"],
         "transformer_seconds": med["transformer_seconds"],
         "reward_seconds": med["reward_seconds"],
-        "outside_transformer_and_reward": 1 - (med["transformer_seconds"] + med["reward_seconds"]) / med["iteration"],
+        "backward_seconds": med["backward_seconds"],
+        "decode_seconds": med["decode_seconds"],
+        # share of the iteration outside transformer forwards, backward passes and the reward (VAE decode counts
+        # as outside); and the same without the decode: our own code's overhead
+        "outside_transformer_and_reward": 1 - (med["transformer_seconds"] + med["backward_seconds"]
+                                               + med["reward_seconds"]) / med["iteration"],
+        "overhead_excluding_decode": 1 - (med["transformer_seconds"] + med["backward_seconds"] + med["reward_seconds"]
+                                          + med["decode_seconds"]) / med["iteration"],
         "algorithm": trainer.algorithm.describe(),
+        # NFE saved by computing the shared-noise prefix once per prompt instead of once per sample
+        "prefix_reuse_nfe_saving": 1 - med["nfe"] / (trainer.batch.rollouts_per_process * cfg.sampler.num_steps),
     }
 
 
@@ -141,6 +175,12 @@ def bench_pipeline(overrides: list[str], repeats: int) -> dict:
     steps = cfg.sampler.num_steps
     guidance = cfg.model.guidance_scale
     call_kwargs = {k: v for k, v in size.items() if v is not None}
+    # the same text sequence as our rollout (e.g. the embedded model runs with 1 zero T5 token, not the 256 default)
+    import inspect
+
+    msl = trainer.model_kw["max_sequence_length"]
+    if msl is not None and "max_sequence_length" in inspect.signature(pipe.__call__).parameters:
+        call_kwargs["max_sequence_length"] = msl
 
     def run_pipe():
         with torch.no_grad():
@@ -173,8 +213,8 @@ def bench_pipeline(overrides: list[str], repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="tiny_sd3", help="conf/model option")
-    parser.add_argument("--reward", default="jpeg_compressibility", help="conf/reward option")
+    parser.add_argument("--model", default="sd3_shapes", help="conf/model option (default: the embedded pipeline)")
+    parser.add_argument("--reward", default="geneval", help="conf/reward option")
     parser.add_argument("--iterations", type=int, default=3, help="timed iterations per algorithm (median)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated subset")

@@ -31,23 +31,16 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
+
+from bench_iteration import compose  # noqa: E402
 
 METRICS = {
     "geneval": "eval/geneval/geneval",                  # GenEval overall (strict), mean over tags
     "geneval_partial": "eval/geneval/geneval_partial",  # Flow-GRPO partial credit, mean over tags
     "jpeg": "eval/jpeg_compressibility",                # −kB at quality 95 (higher = more compressible)
 }
-
-
-def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    import flowgrpo.config  # noqa: F401  (registers the schemas)
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return hydra_compose("train", overrides=overrides)
 
 
 def run(job: tuple[str, int, dict]) -> dict:

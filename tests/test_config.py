@@ -210,11 +210,11 @@ def test_typo_and_wrong_type_inside_a_yaml_file_name_the_key(tmp_path):
     (["sampler.window.schedule=zigzag"], r"sampler\.window\.schedule"),
     (["trainer.group_size=1"], r"trainer\.group_size=1 must be >= 2"),
     (["algo.clip_range=0"], r"algo\.clip_range=0\.0 must be > 0"),
-    (["sampler.window.size=30"], r"sampler\.window\.size=30 exceeds sampler\.num_steps=25"),
+    (["sampler.window.size=30"], r"sampler\.window\.size=30 exceeds sampler\.num_steps=10"),
     (["sampler=sde"], r"algo=mix_grpo trains the MixGRPO window.*algo=grpo"),
     (["sampler=ode", "algo=grpo"], r"algo=grpo has nothing to train"),
     (["algo=grpo"], r"algo=grpo .* sampler\.sde='window'"),
-    (["model.family=flux"], r"model\.pretrained='tiny-random:sd3' does not match model\.family='flux'"),
+    (["model=tiny_sd3", "model.family=flux"], r"model\.pretrained='tiny-random:sd3' does not match model\.family='flux'"),
     (["model=tiny_wan", "model.num_frames=null"], r"model\.num_frames must be set"),
     (["sampler.compress_ratio=0.5"], r"sampler\.solver=dpm\+\+2m"),
     (["trainer.adam_betas=[0.9]"], r"trainer\.adam_betas"),
@@ -381,7 +381,7 @@ def test_loggers_instantiate(hydra_compose, name, tmp_path, monkeypatch):
 
 
 def test_batch_plan_arithmetic_and_banner(hydra_compose):
-    cfg = hydra_compose(["trainer.prompts_per_iteration=8", "trainer.group_size=4", "trainer.train_batch_size=8",
+    cfg = hydra_compose(["model=tiny_sd3", "trainer.prompts_per_iteration=8", "trainer.group_size=4", "trainer.train_batch_size=8",
                          "trainer.gradient_accumulation_steps=2", "trainer.inner_epochs=2"])
     plan = batch_plan(cfg, num_processes=2)
     assert (plan.rollouts, plan.rollouts_per_process, plan.train_micro_batch) == (32, 16, 4)
@@ -395,7 +395,8 @@ def test_batch_plan_arithmetic_and_banner(hydra_compose):
     assert batch_plan(hydra_compose(["algo=flash_grpo"])).trained_steps == 1
     assert batch_plan(hydra_compose(["sampler=sde", "algo=grpo"])).trained_steps == 10
     assert batch_plan(hydra_compose(["sampler=cps", "algo=grpo"])).trained_steps == 9
-    assert batch_plan(hydra_compose(["sampler=dance", "algo=grpo", "algo.timestep_fraction=0.6"])).trained_steps == 9
+    assert batch_plan(hydra_compose(["model=tiny_sd3", "sampler=dance", "algo=grpo", "algo.timestep_fraction=0.6"])).trained_steps == 9  # 16 × 0.6
+    assert batch_plan(hydra_compose(["sampler=dance", "algo=grpo", "algo.timestep_fraction=0.6"])).trained_steps == 6  # the asset: 10 steps
 
 
 @pytest.mark.parametrize("overrides,processes,knob", [
@@ -473,3 +474,16 @@ def test_tag_balanced_prompt_pools():
     assert prompt_pools(ps, "tag_balanced") == [[0, 2], [1], [3]]
     with pytest.raises(ValueError, match="data.sampling=tag_balanced"):
         prompt_pools(PromptSet(["x"], None, "list.txt"), "tag_balanced")
+
+
+def test_the_default_is_the_embedded_world_and_models_bring_their_own_defaults(hydra_compose):
+    cfg = validate(hydra_compose())
+    assert (cfg.model.pretrained, cfg.reward.name, cfg.data.name) == ("assets/tiny-sd3-shapes", "geneval", "geneval_shapes")
+    # conf/model_defaults/sd3_shapes.yaml: the CPU grid, whatever the sampler ...
+    assert (cfg.sampler.num_steps, cfg.sampler.eval_num_steps, cfg.sampler.window.size) == (10, 10, 2)
+    assert hydra_compose(["sampler=sde", "algo=grpo"]).sampler.num_steps == 10
+    # ... and the command line and presets still win; other models keep the papers' settings
+    assert hydra_compose(["sampler.num_steps=25"]).sampler.num_steps == 25
+    assert hydra_compose(["experiment=mix_grpo_shapes", "debug=default"]).sampler.num_steps == 4
+    real = hydra_compose(["model=sd35_medium"])
+    assert (real.sampler.num_steps, real.sampler.window.size) == (25, 4)

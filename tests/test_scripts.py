@@ -3,6 +3,8 @@
 import importlib.util
 from pathlib import Path
 
+import torch
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
@@ -17,18 +19,24 @@ def test_bench_iteration_reports_every_algorithm_side_by_side(tmp_path):
     bench = load_script("bench_iteration")
     out = tmp_path / "bench.json"
     report = bench.main([
-        "--iterations", "1", "--warmup", "0", "--algorithms", "flow_grpo,mix_grpo,flash_grpo", "--threads", "1",
+        "--model", "tiny_sd3", "--reward", "jpeg_compressibility",
+        "--iterations", "1", "--warmup", "0", "--algorithms", "flow_grpo,mix_grpo,flash_grpo,mix_grpo_late", "--threads", "1",
         "--out", str(out), "--set", "sampler.num_steps=4", "--set", "sampler.window.size=2",
         "--set", "sampler.window.start=1", "--set", "trainer.prompts_per_iteration=2", "--set", "trainer.group_size=2",
         "--set", "trainer.train_batch_size=4", "--set", "trainer.gradient_accumulation_steps=1",
     ])
     assert out.is_file()
     algos = report["algorithms"]
-    assert set(algos) == {"flow_grpo", "mix_grpo", "flash_grpo"}
+    assert set(algos) == {"flow_grpo", "mix_grpo", "flash_grpo", "mix_grpo_late"}
+    # window frozen at start T − w = 2 of 4: the 2-step prefix runs once per prompt (2 prompts) instead of per sample
+    assert algos["mix_grpo_late"]["rollout_nfe"] == 2 * 2 + 4 * 2
+    assert algos["mix_grpo_late"]["prefix_reuse_nfe_saving"] == 1 - 12 / 16 and algos["flow_grpo"]["prefix_reuse_nfe_saving"] == 0
     assert report["ratios"]["flow_grpo"] == 1.0
     for name, row in algos.items():
         assert row["seconds_per_iteration"] > 0 and set(row["phases"]) >= {"rollout", "update"}
-        assert 0 <= row["outside_transformer_and_reward"] < 1
+        assert 0 <= row["outside_transformer_and_reward"] < 1 and row["decode_seconds"] > 0
+        assert row["overhead_excluding_decode"] < row["outside_transformer_and_reward"]
+        assert (row["backward_seconds"] > 0) == (row["trained_transitions"] > 0)
     # NFE bookkeeping: Flow-GRPO 4 rows × 4 steps; MixGRPO with shared noise runs its 1-step prefix once per prompt
     assert algos["flow_grpo"]["rollout_nfe"] == 16
     assert algos["mix_grpo"]["rollout_nfe"] == 2 * 1 + 4 * 3
@@ -99,3 +107,21 @@ def test_bench_multireward_trains_each_aggregator_on_the_same_budget(tmp_path):
     row = report["summary"]["taros"]["geneval"]
     assert row["change"]["mean"] == round(row["after"]["mean"] - row["before"]["mean"], 4) or \
         abs(row["change"]["mean"] - (row["after"]["mean"] - row["before"]["mean"])) < 1e-3
+
+
+def test_gradient_snr_compares_independent_policy_gradients(tmp_path):
+    snr = load_script("gradient_snr")
+    overrides = ["model=tiny_sd3", "reward=jpeg_compressibility", "sampler.num_steps=4", "sampler.window.size=2",
+                 "trainer.prompts_per_iteration=2", "trainer.group_size=2", "trainer.train_batch_size=4",
+                 "trainer.gradient_accumulation_steps=1"]
+    report = snr.main(["--batches", "3", "--threads", "1", "--out", str(tmp_path / "snr.json"),
+                       *[a for o in overrides for a in ("--set", o)]])
+    assert (tmp_path / "snr.json").is_file() and report["rollouts_per_batch"] == 4 and report["trained_steps"] == 2
+    assert -1 <= report["min_pairwise_cosine"] <= report["mean_pairwise_cosine"] <= report["max_pairwise_cosine"] < 1
+    assert all(n > 0 for n in report["gradient_norms"])
+    # the estimate is a deterministic function of the noise streams: the same noise gives the same gradient
+    from flowgrpo.trainer import Trainer
+
+    cfg = snr.compose(["logger=none", f"trainer.output_dir={tmp_path}", *overrides])
+    trainer = Trainer(cfg, tmp_path)
+    assert torch.equal(snr.policy_gradient(trainer, 7), snr.policy_gradient(trainer, 7))
