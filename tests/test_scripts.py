@@ -117,6 +117,7 @@ def test_gradient_snr_compares_independent_policy_gradients(tmp_path):
     report = snr.main(["--batches", "3", "--threads", "1", "--out", str(tmp_path / "snr.json"),
                        *[a for o in overrides for a in ("--set", o)]])
     assert (tmp_path / "snr.json").is_file() and report["rollouts_per_batch"] == 4 and report["trained_steps"] == 2
+    assert report["standard_error"] >= 0
     assert -1 <= report["min_pairwise_cosine"] <= report["mean_pairwise_cosine"] <= report["max_pairwise_cosine"] < 1
     assert all(n > 0 for n in report["gradient_norms"])
     # the estimate is a deterministic function of the noise streams: the same noise gives the same gradient

@@ -297,3 +297,17 @@ def test_tag_balanced_sampling_draws_every_tag_about_equally(tmp_path):
     uniform = Trainer(make_cfg(tmp_path / "u", "data.sampling=uniform"), tmp_path / "u")
     tags = Counter(m["tag"] for i in range(60) for m in uniform.plan(i).metadata[::2])
     assert tags["color_attr"] > 60, tags
+
+
+def test_an_update_raises_the_log_prob_of_positive_advantage_samples(tmp_path):
+    """The policy-gradient direction: after one update, Δlog π of the trained transitions follows the advantage."""
+    trainer = Trainer(make_cfg(tmp_path, *ALGOS["mix_grpo"], "trainer.prompts_per_iteration=4", "trainer.group_size=4",
+                               "trainer.train_batch_size=16", "trainer.lr=1e-3"), tmp_path)
+    batch = trainer.advantage(trainer.score(trainer.rollout(trainer.plan(0), 0)))
+    before = trainer.recompute_log_probs(batch)
+    trainer.update(batch, 0)
+    change = ((trainer.recompute_log_probs(batch) - before) * batch.plan.train_mask).sum(1)
+    adv = batch.advantages.cpu()
+    assert adv.abs().sum() > 0
+    corr = torch.corrcoef(torch.stack([adv, change.cpu()]))[0, 1]
+    assert corr > 0.5 and float((adv * change.cpu()).sum()) > 0, (corr, adv, change)
