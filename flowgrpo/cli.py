@@ -4,7 +4,6 @@ train, and leave a summary (JSON + reward curves) in the run dir."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 

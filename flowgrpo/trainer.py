@@ -362,7 +362,7 @@ class Trainer:
     def update(self, batch: Batch, iteration: int) -> dict[str, float]:
         """PPO-clip over the trained transitions; one ``accelerate.accumulate`` spans micro-batches × trained steps."""
         cfg, t = self.cfg, self.cfg.trainer
-        algo, plan = cfg.algo, batch.plan
+        algo = cfg.algo
         guidance = self.model_kw["guidance"] if algo.cfg_in_training else {"guidance_scale": 1.0}
         micro = self.batch.train_micro_batch
         n = len(batch.prompts)

@@ -73,6 +73,15 @@ class CallTimer:
             h.remove()
 
 
+def emit(report: dict, out: Path | None) -> dict:
+    """Print ``report`` as indented JSON (and write it to ``out`` when given); returns it."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out:
+        Path(out).write_text(text)
+    return report
+
+
 def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -240,11 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
         base = results["flow_grpo"]["seconds_per_iteration"]
         report["ratios"] = {k: v["seconds_per_iteration"] / base for k, v in results.items()}
         report["nfe_ratios"] = {k: v["rollout_nfe"] / results["flow_grpo"]["rollout_nfe"] for k, v in results.items()}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return report
+    return emit(report, args.out)
 
 
 if __name__ == "__main__":

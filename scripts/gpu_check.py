@@ -16,7 +16,6 @@ algorithm comes from ``torch.cuda.max_memory_allocated``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -29,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
-from bench_iteration import ALGORITHMS, compose  # noqa: E402  (same algorithm presets, same composition)
+from bench_iteration import ALGORITHMS, compose, emit  # noqa: E402  (same algorithm presets, same composition)
 
 MODELS = {
     # name: (conf/model option, overrides at realistic size)
@@ -165,11 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
             for row in rows.values():
                 row["ratio_to_flow_grpo"] = row["seconds_per_iteration"] / base
         report["models"][model] = rows
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return report
+    return emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import tempfile
@@ -30,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
-from bench_iteration import compose  # noqa: E402
+from bench_iteration import compose, emit  # noqa: E402
 
 
 def policy_gradient(trainer, noise_iteration: int, plan_iteration: int = 0) -> torch.Tensor:
@@ -90,11 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
         "gradient_norms": [round(float(g.norm()), 6) for g in grads],
         "batches_for_snr_1": round(1 / mean, 1) if mean > 2 * stderr else None,  # None: not resolved
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return report
+    return emit(report, args.out)
 
 
 if __name__ == "__main__":
