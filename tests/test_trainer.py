@@ -192,8 +192,10 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
     two = torch.load(tmp_path / "two.pt")
     for h1, h2 in zip(history, two["history"]):
         # same prompts, noise, rewards and advantages: the batch split changes nothing but float summation order
-        for key in ("reward/mean", "reward/std", "adv/adv_abs_mean", "nfe/rollout"):
-            assert h1[key] == pytest.approx(h2[key], rel=1e-4, abs=1e-6), key
+        for key in ("reward/mean", "reward/std", "nfe/rollout"):
+            assert h1[key] == pytest.approx(h2[key], rel=1e-5, abs=1e-6), key
+        # advantages divide the (small) spread of mean brightness, which magnifies that float-order noise ~10x
+        assert h1["adv/adv_abs_mean"] == pytest.approx(h2["adv/adv_abs_mean"], rel=1e-4)
         assert h1["train/grad_norm"] == pytest.approx(h2["train/grad_norm"], rel=1e-3)
     ref = trainable(one)
     assert ref.keys() == two["params"].keys()
