@@ -10,6 +10,16 @@ _wandb_tmp = tempfile.mkdtemp(prefix="flowgrpo-wandb-")
 for _var in ("WANDB_DIR", "WANDB_DATA_DIR", "WANDB_CACHE_DIR"):
     os.environ.setdefault(_var, _wandb_tmp)
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(2)
+
+
+@pytest.fixture
+def one_thread():
+    """Run a test on one torch thread, restoring the count after (``pytest.mark.usefixtures("one_thread")``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

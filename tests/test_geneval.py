@@ -17,6 +17,7 @@ import rewards
 from flowgrpo.world import metadata_for, perturb, render, render_array
 from rewards.geneval import Detection, judge, relative_position, select_detections, validate_metadata
 from rewards.geneval.rules import TAGS, position_direction
+from twins import save_tiny_clip  # tests/twins.py
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -212,20 +213,10 @@ def test_geneval_reward_errors_are_clear():
 # ------------------------------------------------------------------------ real detector, tiny twins
 
 
-def _byte_level_clip_tokenizer():
-    """A tiny working CLIP tokenizer over the 256 byte-level symbols (PITFALLS: build it in memory)."""
-    from flowgrpo.models.tiny import tiny_clip_tokenizer  # tests may import every package; one builder
-
-    return tiny_clip_tokenizer()
-
-
 @pytest.fixture(scope="module")
 def tiny_real_checkpoints(tmp_path_factory):
     """Random-initialised Mask2Former + CLIP twins saved like hub checkpoints (a few MB, CPU seconds)."""
     from transformers import (
-        CLIPConfig,
-        CLIPImageProcessor,
-        CLIPModel,
         Mask2FormerConfig,
         Mask2FormerForUniversalSegmentation,
         Mask2FormerImageProcessor,
@@ -242,16 +233,7 @@ def tiny_real_checkpoints(tmp_path_factory):
                                id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)})
     Mask2FormerForUniversalSegmentation(config).save_pretrained(root / "m2f")
     Mask2FormerImageProcessor(size={"shortest_edge": 64, "longest_edge": 96}, size_divisor=32).save_pretrained(root / "m2f")
-    tok = _byte_level_clip_tokenizer()
-    clip = CLIPModel(CLIPConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         max_position_embeddings=77, bos_token_id=512, eos_token_id=513, pad_token_id=513),
-        vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
-        projection_dim=16,
-    ))
-    clip.save_pretrained(root / "clip")
-    tok.save_pretrained(root / "clip")
-    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(root / "clip")
+    save_tiny_clip(root / "clip")
     return root / "m2f", root / "clip"
 
 

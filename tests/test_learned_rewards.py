@@ -21,6 +21,7 @@ from PIL import Image
 import rewards
 from rewards import MissingWeightsError
 from rewards.clip.transforms import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, resize_center_crop, resize_longest_pad
+from twins import save_tiny_clip  # tests/twins.py
 
 torch.set_num_threads(1)
 
@@ -31,13 +32,6 @@ SHAPES = [(37, 53), (64, 64), (50, 91), (91, 50), (64, 70), (55, 48), (40, 75), 
 def _images(shapes=SHAPES, seed=0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8) for h, w in shapes]
-
-
-def _byte_level_clip_tokenizer():
-    """A tiny working CLIP tokenizer over the 256 byte-level symbols (PITFALLS: build it in memory)."""
-    from flowgrpo.models.tiny import tiny_clip_tokenizer  # tests may import every package; one builder
-
-    return tiny_clip_tokenizer()
 
 
 @pytest.fixture(autouse=True)
@@ -51,20 +45,9 @@ def _empty_hub_cache(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def clip_dir(tmp_path_factory):
     """A tiny transformers CLIP checkpoint (model + tokenizer + image processor), saved like a hub one."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
-
     root = tmp_path_factory.mktemp("clip")
     torch.manual_seed(0)
-    tok = _byte_level_clip_tokenizer()
-    CLIPModel(CLIPConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         max_position_embeddings=77, bos_token_id=512, eos_token_id=513, pad_token_id=513),
-        vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2),
-        projection_dim=16,
-    )).save_pretrained(root)
-    tok.save_pretrained(root)
-    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(root)
+    save_tiny_clip(root)
     return root
 
 

@@ -19,12 +19,7 @@ pt = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pt)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_world_tokenizer_one_token_per_word_and_round_trip(tmp_path):

@@ -21,16 +21,12 @@ from PIL import Image, ImageDraw, ImageFont
 
 import rewards
 from rewards.aggregate import TaRoS, per_reward_group_advantages, weighted_sum
+from twins import save_tiny_clip  # tests/twins.py
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ---------------------------------------------------------------------------------------------------- OCR
@@ -168,30 +164,14 @@ def test_model_backbones_fail_clearly_without_weights(clips):
         rewards.load("video_consistency", backbone="nope")
 
 
-def _byte_level_clip_tokenizer():
-    """A tiny working CLIP tokenizer over the 256 byte-level symbols (PITFALLS: build it in memory)."""
-    from flowgrpo.models.tiny import tiny_clip_tokenizer  # tests may import every package; one builder
-
-    return tiny_clip_tokenizer()
-
-
 @pytest.fixture(scope="module")
 def tiny_checkpoints(tmp_path_factory):
     """Random-initialised CLIP and DINO-style ViT twins saved like hub checkpoints."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, ViTConfig, ViTModel
+    from transformers import ViTConfig, ViTModel
 
     root = tmp_path_factory.mktemp("video_twins")
     torch.manual_seed(0)
-    tok = _byte_level_clip_tokenizer()
-    CLIPModel(CLIPConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         max_position_embeddings=77, bos_token_id=512, eos_token_id=513, pad_token_id=513),
-        vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2),
-        projection_dim=16,
-    )).save_pretrained(root / "clip")
-    tok.save_pretrained(root / "clip")
-    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(root / "clip")
+    save_tiny_clip(root / "clip")
     ViTModel(ViTConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                        num_attention_heads=2), add_pooling_layer=False).save_pretrained(root / "dino")
     return root
