@@ -172,11 +172,11 @@ def bench_algorithm(name: str, overrides: list[str], iterations: int, warmup: in
     }
 
 
-def bench_pipeline(overrides: list[str], repeats: int) -> dict:
+def bench_pipeline(overrides: list[str], repeats: int, out_dir: Path) -> dict:
     """Plain ``pipe(...)`` vs our full-ODE rollout through the adapter at the same NFE and batch."""
     from flowgrpo.trainer import Trainer
 
-    cfg = compose([*overrides, "algo=grpo", "sampler=sde", "logger=none", "trainer.output_dir=" + tempfile.mkdtemp()])
+    cfg = compose([*overrides, "algo=grpo", "sampler=sde", "logger=none", f"trainer.output_dir={out_dir / 'pipeline'}"])
     trainer = Trainer(cfg, cfg.trainer.output_dir)
     pipe, size = trainer.adapter.pipe, trainer.model_kw["size"]
     batch = trainer.batch.rollout_batch_per_process
@@ -234,16 +234,18 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
 
     overrides = [f"model={args.model}", f"reward={args.reward}", "trainer.iterations=1000", *args.set]
-    out_dir = Path(tempfile.mkdtemp(prefix="bench-iteration-"))
-    results = {}
-    for name in args.algorithms.split(","):
-        results[name] = bench_algorithm(name, overrides, args.iterations, args.warmup, out_dir)
+    with tempfile.TemporaryDirectory(prefix="bench-iteration-") as scratch:  # the runs' checkpoints are not kept
+        out_dir = Path(scratch)
+        results = {}
+        for name in args.algorithms.split(","):
+            results[name] = bench_algorithm(name, overrides, args.iterations, args.warmup, out_dir)
+        pipeline = bench_pipeline(overrides, max(1, args.iterations), out_dir)
     report = {
         "model": args.model,
         "overrides": overrides,
         "device": str(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else "cpu",
         "algorithms": results,
-        "pipeline": bench_pipeline(overrides, repeats=max(1, args.iterations)),
+        "pipeline": pipeline,
     }
     if "flow_grpo" in results:
         base = results["flow_grpo"]["seconds_per_iteration"]

@@ -102,7 +102,8 @@ def check(model: str, algorithm: str, iterations: int, warmup: int, tiny: bool, 
     from flowgrpo.trainer import Trainer
 
     option, overrides = (TINY if tiny else MODELS)[model]
-    out_dir = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    scratch = tempfile.TemporaryDirectory(prefix="gpu-check-")  # deleted with this object: nothing here is kept
+    out_dir = Path(scratch.name)
     reward = "video_flicker" if model.startswith("wan") else "jpeg_compressibility"  # weight-free, cheap
     cfg = compose([f"model={option}", f"reward={reward}", "logger=none", "trainer.iterations=1000",
                    "trainer.eval_before=false", "trainer.eval_every=0", "trainer.gallery_every=0",

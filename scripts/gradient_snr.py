@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     from flowgrpo.trainer import Trainer
 
-    out_dir = tempfile.mkdtemp(prefix="gradient-snr-")
+    scratch = tempfile.TemporaryDirectory(prefix="gradient-snr-")  # deleted with this object: nothing here is kept
+    out_dir = Path(scratch.name)
     cfg = compose(["logger=none", f"trainer.output_dir={out_dir}", "trainer.eval_before=false", *args.set])
     trainer = Trainer(cfg, out_dir)
     grads = [policy_gradient(trainer, noise_iteration=1000 + k) for k in range(args.batches)]

@@ -193,6 +193,9 @@ def test_geneval_reward_components_and_input_forms():
     for images in (uint8, uint8.float() / 255.0, [np.asarray(p) for p in pils]):
         again = reward(images, None, metas)
         assert torch.equal(again.scores, out.scores)
+    for score in ("strict", "exact"):  # the training scalar can be another component; all are still returned
+        other = rewards.load("geneval", detector="shapes", score=score)(pils, None, metas)
+        assert torch.equal(other.scores, out.components[score]) and torch.equal(other.components["partial"], out.scores)
 
 
 def test_geneval_reward_errors_are_clear():
@@ -208,6 +211,8 @@ def test_geneval_reward_errors_are_clear():
         reward(torch.ones(1, 2, 3, 64, 64), None, [metadata_for("single_object", "circle")])
     with pytest.raises(ValueError, match="unknown GenEval detector"):
         rewards.load("geneval", detector="owlvit")
+    with pytest.raises(ValueError, match="score='verdict' is not one of partial, strict, exact"):
+        rewards.load("geneval", score="verdict")
 
 
 # ------------------------------------------------------------------------ real detector, tiny twins

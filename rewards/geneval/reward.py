@@ -33,7 +33,9 @@ from .rules import (
 )
 from .shapes import ShapesDetector
 
-__all__ = ["GenEval"]
+__all__ = ["GenEval", "SCORES"]
+
+SCORES = ("partial", "strict", "exact")  # components that can be the training scalar (``score=``)
 
 
 @register("geneval")
@@ -47,6 +49,9 @@ class GenEval:
             with optional ``classes`` / ``colors`` attributes used to validate the metadata.
         threshold, counting_threshold, max_objects, position_threshold: GenEval's constants.
         partial_credit: ``"flowgrpo"`` (reference-exact) or ``"clipped"``.
+        score: the component returned as ``scores`` (the training scalar): ``"partial"`` (Flow-GRPO's partial
+            credit, default), ``"strict"`` (GenEval's verdict) or ``"exact"``. Every component is returned
+            whatever this is.
         **detector_kwargs: passed to the named detector (e.g. ``detector_path=``, ``clip_path=``, ``device=``).
 
     >>> import numpy as np, rewards
@@ -67,10 +72,13 @@ class GenEval:
         max_objects: int = MAX_OBJECTS,
         position_threshold: float = POSITION_THRESHOLD,
         partial_credit: str = "flowgrpo",
+        score: str = "partial",
         **detector_kwargs,
     ):
         if partial_credit not in ("flowgrpo", "clipped"):
             raise ValueError(f"partial_credit must be 'flowgrpo' or 'clipped', got {partial_credit!r}")
+        if score not in SCORES:
+            raise ValueError(f"GenEval score={score!r} is not one of {', '.join(SCORES)}")
         if detector == "shapes":
             self.detector = ShapesDetector(**detector_kwargs)
         elif detector == "real":
@@ -90,6 +98,7 @@ class GenEval:
         self.max_objects = max_objects
         self.position_threshold = position_threshold
         self.partial_credit = partial_credit
+        self.score = score
 
     def judge(self, images, metadata: Sequence[dict] | None) -> list[Verdict]:
         """Per-image verdicts (detections, reasons) -- what ``__call__`` condenses into tensors."""
@@ -132,4 +141,4 @@ class GenEval:
             mine = torch.tensor([t == tag for t in tags])
             components[f"strict/{tag}"] = torch.where(mine, strict, torch.full_like(strict, math.nan))
             components[f"partial/{tag}"] = torch.where(mine, partial, torch.full_like(partial, math.nan))
-        return RewardOutput(scores=partial.clone(), components=components)
+        return RewardOutput(scores=components[self.score].clone(), components=components)
