@@ -80,7 +80,4 @@ class SD3Adapter(FlowAdapter):
         )[0]
 
     def _decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        vae = self.pipe.vae
-        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-        return self.pipe.image_processor.postprocess(image, output_type="pt")
+        return self.pipe.image_processor.postprocess(self._decode_image_latents(latents), output_type="pt")
