@@ -103,6 +103,7 @@ def build_adapter(model: DictConfig, *, device: str | torch.device = "cpu"):
         torch_dtype=model.torch_dtype,
         device=device,
         attention=model.attention,
+        vae_dtype=model.vae_dtype,
         **kwargs,
     )
 

@@ -81,6 +81,7 @@ class ModelConfig:
     family: str = _knob(MISSING, choices=("sd3", "flux", "wan"))  # adapter: StableDiffusion3 / Flux / Wan pipeline
     pretrained: str = MISSING  # local dir, hub id, or "tiny-random:<family>" for the in-memory test twin
     torch_dtype: str = _knob("float32", choices=DTYPES)  # dtype the frozen weights load in
+    vae_dtype: Optional[str] = _knob(None, choices=(None, *DTYPES))  # the decoder's dtype; null = torch_dtype
     attention: str = _knob("sdpa", choices=("sdpa", "xformers"))  # attention kernel; xformers needs flowgrpo[xformers]
     height: int = _knob(MISSING, ge=8)  # image height in pixels
     width: int = _knob(MISSING, ge=8)  # image width in pixels

@@ -207,6 +207,7 @@ def test_typo_and_wrong_type_inside_a_yaml_file_name_the_key(tmp_path):
     (["sampler.kernel=foo"], r"sampler\.kernel='foo' is not one of flow_grpo, dance, cps"),
     (["model.attention=flash"], r"model\.attention='flash' is not one of sdpa, xformers"),
     (["model.torch_dtype=fp8"], r"model\.torch_dtype"),
+    (["model.vae_dtype=fp8"], r"model\.vae_dtype='fp8' is not one of None, float32, bfloat16, float16"),
     (["sampler.window.schedule=zigzag"], r"sampler\.window\.schedule"),
     (["trainer.group_size=1"], r"trainer\.group_size=1 must be >= 2"),
     (["algo.clip_range=0"], r"algo\.clip_range=0\.0 must be > 0"),

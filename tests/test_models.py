@@ -142,6 +142,20 @@ def test_tiny_random_loader():
         load_adapter("sd3", "tiny-random:flux")
 
 
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_vae_dtype_casts_only_the_decoder(family):
+    """``vae_dtype`` (``model.vae_dtype``): a bfloat16 decoder, float32 transformer, float32 pixels close to fp32's."""
+    full = load_adapter(family, f"tiny-random:{family}")
+    half = load_adapter(family, f"tiny-random:{family}", vae_dtype="bfloat16")
+    assert half.pipe.vae.dtype == torch.bfloat16 and half.dtype == torch.float32 and full.pipe.vae.dtype == torch.float32
+    channels = full.pipe.vae.config.latent_channels
+    latents = torch.randn(2, channels, 4, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = full.decode(latents), half.decode(latents)
+    assert b.dtype == torch.float32 and b.shape == a.shape
+    assert 0 < (a - b).abs().max() < 0.05  # bfloat16 rounding, nothing else
+
+
 @pytest.mark.parametrize("family", ["sd3", "flux", "wan"])
 def test_per_sample_sigma_matches_scalar_calls(family):
     adapter = _adapter(family)
