@@ -387,8 +387,8 @@ class FlowAdapter:
         """Un-scale ``[B, C, h, w]`` latents and run the 2-D VAE decoder, as the image pipelines do before postprocessing.
 
         The decoder runs in channels-last memory format (its modules are converted on first use): the same
-        convolutions, ~25% faster on CPU (0.98 → 0.73 s for 64 images of the embedded world, one thread) and the
-        layout cuDNN prefers on GPUs. Outputs agree with the default layout to float rounding.
+        convolutions, 10-25% faster on CPU for the embedded world's 64 images (1-2 threads) and the layout cuDNN
+        prefers on GPUs. Outputs agree with the default layout to float rounding.
         """
         vae = self.pipe.vae
         if not getattr(vae, "_flowgrpo_channels_last", False):

@@ -107,7 +107,7 @@ def load_adapter(
         attention (`str`, defaults to `"sdpa"`): `"sdpa"` (PyTorch fused attention, nothing to do) or `"xformers"`.
         vae_dtype (`str` or `torch.dtype`, *optional*): cast the VAE to this dtype after loading (`None`: keep
             `torch_dtype`). The VAE only decodes the rollout's final latents for the reward, so a bfloat16 decoder
-            is a speed knob: 2.7x faster on a CPU with AVX512-BF16 for the embedded world (pixels within 4/255),
+            is a speed knob: about 2x faster on a CPU with AVX512-BF16 for the embedded world (pixels within 4/255),
             but slower on CPUs without native bfloat16.
         pipeline_kwargs: passed to `from_pretrained` (e.g. `revision`, `variant`, a component to override).
             Components saved as `None` (an SD3 without T5, a Wan without `transformer_2`) are passed as `None`
