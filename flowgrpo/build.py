@@ -293,6 +293,18 @@ def prompt_pools(prompts: PromptSet, sampling: str) -> list[list[int]]:
     return list(pools.values())
 
 
+def _with_tags(prompts: PromptSet, tags: list[str], key: str) -> PromptSet:
+    """The records of ``prompts`` whose metadata ``tag`` is one of ``tags`` (``data.train_tags``), in file order."""
+    if prompts.metadata is None or any("tag" not in m for m in prompts.metadata):
+        raise ValueError(f"{key}={tags} needs a 'tag' field in every record of {prompts.source} (GenEval-style JSONL)")
+    present = sorted({str(m["tag"]) for m in prompts.metadata})
+    unknown = [t for t in tags if t not in present]
+    if not tags or unknown:
+        raise ValueError(f"{key}={tags}: {'no tags given' if not tags else f'no prompt has tag(s) {unknown}'}; "
+                         f"the tags of {prompts.source} are {present}")
+    return prompts.subset([i for i, m in enumerate(prompts.metadata) if str(m["tag"]) in tags])
+
+
 def build_prompts(data: DictConfig, split: str = "train") -> PromptSet | None:
     """Read the ``train`` or ``test`` prompt set of a ``data`` node. ``test`` without ``data.test_file`` → None.
 
@@ -315,6 +327,8 @@ def build_prompts(data: DictConfig, split: str = "train") -> PromptSet | None:
             f"set {_key(data, name)}=PATH"
         )
     prompts = _read_prompts(path, data.format, data.prompt_key, _key(data, name))
+    if split == "train" and data.get("train_tags") is not None:
+        prompts = _with_tags(prompts, list(data.train_tags), _key(data, "train_tags"))
     if split == "train" and data.max_prompts is not None:
         prompts = prompts.subset(range(min(data.max_prompts, len(prompts))))
     return prompts

@@ -195,6 +195,7 @@ class DataConfig:
     test_file: Optional[str] = MISSING  # held-out prompts; null = none (each option says)
     prompt_key: str = "prompt"  # JSONL field holding the prompt text
     max_prompts: Optional[int] = _knob(None, ge=1)  # keep only the first N training prompts (debugging)
+    train_tags: Optional[List[str]] = None  # keep only training prompts with these metadata tags; held-out untouched
     sampling: str = _knob("uniform", choices=("uniform", "tag_balanced"))  # tag_balanced: tag first, then a prompt of it
 
 

@@ -356,6 +356,19 @@ def test_data_configs_instantiate(hydra_compose, prompt_files):
     assert train.prompts == [r["prompt"] for r in prompt_files["records"][:2]]
     assert train.metadata == prompt_files["records"][:2]
     assert build_prompts(cfg.data, "test") is None
+    cfg = hydra_compose(["data=geneval_shapes", f"data.train_file={prompt_files['jsonl']}", f"data.test_file={prompt_files['jsonl']}",
+                         "data.train_tags=[position,single_object]"])
+    assert build_prompts(cfg.data).metadata == [prompt_files["records"][0], prompt_files["records"][2]]  # file order
+    assert len(build_prompts(cfg.data, "test")) == 3  # held-out prompts are never filtered
+    for tags, message in (("[counting,colors]", r"data\.train_tags=\['counting', 'colors'\]: no prompt has tag\(s\) \['colors'\]; "
+                                                r"the tags of .* are \['counting', 'position', 'single_object'\]"),
+                          ("[]", r"data\.train_tags=\[\]: no tags given")):
+        cfg = hydra_compose(["data=geneval_shapes", f"data.train_file={prompt_files['jsonl']}", f"data.train_tags={tags}"])
+        with pytest.raises(ValueError, match=message):
+            build_prompts(cfg.data)
+    cfg = hydra_compose(["data=text_prompts", f"data.train_file={prompt_files['text']}", "data.train_tags=[counting]"])
+    with pytest.raises(ValueError, match=r"data\.train_tags=\['counting'\] needs a 'tag' field"):
+        build_prompts(cfg.data)
 
     cfg = hydra_compose(["data=text_prompts"])
     with pytest.raises(ValueError, match=r"data\.train_file is not set"):
