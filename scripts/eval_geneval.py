@@ -3,6 +3,8 @@ r"""GenEval of a pipeline on the shapes world's held-out prompts (issue 3, "Show
 
     python scripts/eval_geneval.py                                    # the shipped asset, 4 samples per prompt
     python scripts/eval_geneval.py --pretrained outputs/pretrain_tiny/export --grid /tmp/grid.png
+    python scripts/eval_geneval.py --lora outputs/DATE/TIME/checkpoints/checkpoint-000100 --tags counting \
+        --samples 48 --per-prompt --grid ''                           # a trained run's LoRA, prompt by prompt
 
 Per prompt of ``--prompts`` (``assets/prompts/shapes_test.jsonl``: GenEval metadata JSONL), ``--samples``
 images from fixed seeds (sample j of prompt i uses noise seed ``seed + 1000 * i + j``, whatever the batching),
@@ -12,6 +14,8 @@ Scored with ``rewards.load("geneval", detector="shapes")``. Prints JSON: per tag
 GenEval's benchmark verdict) and Flow-GRPO's partial credit (``partial``), and ``overall`` = the mean over the
 six tags (GenEval's convention: tags weigh equally, whatever their number of prompts). Writes a PNG grid:
 ``--grid-prompts-per-row`` prompts per row in file order (grouped by tag), each prompt's samples side by side.
+``--lora`` loads a trainer checkpoint's LoRA (``checkpoint-N`` or its ``lora/`` folder) with ``pipe.load_lora_weights``;
+``--tags`` keeps the prompts of some tags; ``--per-prompt`` adds each prompt's mean strict / partial to the JSON.
 """
 
 from __future__ import annotations
@@ -68,14 +72,31 @@ def grid_image(images: torch.Tensor, columns: int, pad: int = 2) -> Image.Image:
 def evaluate(args) -> dict:
     torch.set_num_threads(args.threads)
     metadata = load_metadata(args.prompts)
+    if args.tags:
+        wanted = [t.strip() for t in args.tags.split(",") if t.strip()]
+        present = sorted({m["tag"] for m in metadata})
+        if not wanted or any(t not in present for t in wanted):
+            raise SystemExit(f"--tags {args.tags!r}: the tags of {args.prompts} are {present}")
+        rows = [i for i, m in enumerate(metadata) if m["tag"] in wanted]
+    else:
+        rows = list(range(len(metadata)))
     adapter = load_adapter("sd3", str(args.pretrained), device=args.device)
+    if args.lora:
+        lora = Path(args.lora)
+        lora = lora / "lora" if (lora / "lora").is_dir() else lora
+        if not (lora / "pytorch_lora_weights.safetensors").is_file():
+            raise SystemExit(f"--lora {args.lora}: no pytorch_lora_weights.safetensors there or in its lora/ folder")
+        adapter.pipe.load_lora_weights(str(lora))
     reward = rewards.load("geneval", detector="shapes")
-    jobs = [(i, j) for i in range(len(metadata)) for j in range(args.samples)]
+    # seeds follow the prompt's row in the file, so a --tags subset draws the same images as the full run
+    seed_of = {k: args.seed + 1000 * i for k, i in enumerate(rows)}
+    metadata = [metadata[i] for i in rows]
+    jobs = [(k, j) for k in range(len(metadata)) for j in range(args.samples)]
     images, scores, t0 = [], [], time.time()
     for start in range(0, len(jobs), args.batch):
         chunk = jobs[start : start + args.batch]
         prompts = [metadata[i]["prompt"] for i, _ in chunk]
-        seeds = [args.seed + 1000 * i + j for i, j in chunk]
+        seeds = [seed_of[i] + j for i, j in chunk]
         x = generate(adapter, prompts, seeds, steps=args.steps, guidance_scale=args.guidance_scale, height=64,
                      width=64, max_sequence_length=args.max_sequence_length)  # fmt: skip
         out = reward(x, prompts, [metadata[i] for i, _ in chunk])
@@ -103,6 +124,12 @@ def evaluate(args) -> dict:
         "overall_partial": round(float(np.mean([v["partial"] for v in per_tag.values()])), 4),
         "seconds": round(time.time() - t0, 1),
     }
+    if args.per_prompt:
+        strict, partial = components["strict"].view(len(metadata), args.samples), components["partial"].view(len(metadata), args.samples)
+        result["per_prompt"] = [{"prompt": m["prompt"], "tag": m["tag"], "strict": round(strict[i].mean().item(), 4),
+                                 "partial": round(partial[i].mean().item(), 4)} for i, m in enumerate(metadata)]
+    if args.lora:
+        result["lora"] = str(args.lora)
     if args.grid:
         grid_image(torch.cat(images), columns=args.samples * args.grid_prompts_per_row).save(args.grid)
         result["grid"] = str(args.grid)
@@ -122,6 +149,9 @@ def parse_args(argv=None):
     p.add_argument("--grid", default=str(ROOT / "assets" / "tiny-sd3-shapes-samples.png"), help="PNG grid ('' for none)")
     p.add_argument("--grid-prompts-per-row", type=int, default=2, help="prompts per grid row")
     p.add_argument("--json-out", default=None, help="also write the JSON here")
+    p.add_argument("--lora", default=None, help="a trainer checkpoint dir (checkpoint-N or its lora/) to load first")
+    p.add_argument("--tags", default=None, help="comma-separated GenEval tags to keep (default: all)")
+    p.add_argument("--per-prompt", action="store_true", help="add each prompt's mean strict / partial")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     return p.parse_args(argv)

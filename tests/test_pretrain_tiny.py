@@ -4,6 +4,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline
@@ -114,3 +115,25 @@ def test_eval_geneval_runs_on_a_saved_pipeline(tmp_path):
     # Fixed seeds: the same images whatever the batch size.
     again = ev.main([*argv[:-6], "--batch", "8", "--grid", "", "--device", "cpu"])
     assert again["per_tag"] == result["per_tag"]
+
+    # --tags / --per-prompt, and --lora: a trainer-format LoRA checkpoint changes the images
+    only = ev.main([*argv[:-2], "--tags", "position", "--per-prompt", "--device", "cpu"])
+    assert set(only["per_tag"]) == {"position"} and [r["prompt"] for r in only["per_prompt"]] == [
+        m["prompt"] for m in metas if m["tag"] == "position"]
+    assert only["per_tag"]["position"] == result["per_tag"]["position"]
+    before = np.asarray(Image.open(tmp_path / "grid.png"))
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    from flowgrpo.checkpoint import save_lora_weights
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(tmp_path / "pipe", text_encoder_3=None, tokenizer_3=None)
+    pipe.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False, target_modules=["to_q", "to_v"]))
+    assert get_peft_model_state_dict(pipe.transformer)  # random A and B: the adapter changes the output
+    save_lora_weights(pipe, tmp_path / "checkpoint-000001" / "lora")
+    with_lora = ev.main([*argv, "--lora", str(tmp_path / "checkpoint-000001")])
+    assert with_lora["lora"] == str(tmp_path / "checkpoint-000001")
+    assert not np.array_equal(np.asarray(Image.open(tmp_path / "grid.png")), before)
+    with pytest.raises(SystemExit, match="--tags 'dogs'"):
+        ev.main([*argv, "--tags", "dogs"])
+    with pytest.raises(SystemExit, match="no pytorch_lora_weights.safetensors"):
+        ev.main([*argv, "--lora", str(tmp_path)])
