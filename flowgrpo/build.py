@@ -293,16 +293,26 @@ def prompt_pools(prompts: PromptSet, sampling: str) -> list[list[int]]:
     return list(pools.values())
 
 
+def tag_rows(metadata: list[dict], tags: list[str], key: str, source: str) -> list[int]:
+    """Indices, in file order, of the GenEval records whose ``tag`` is one of ``tags``.
+
+    Raises:
+        ValueError: naming ``key`` (the option that gave ``tags``) when it is empty or names a tag no record of
+            ``source`` has; the message lists the tags present.
+    """
+    present = sorted({str(m["tag"]) for m in metadata})
+    unknown = [t for t in tags if t not in present]
+    if not tags or unknown:
+        raise ValueError(f"{key}={tags}: {'no tags given' if not tags else f'no prompt has tag(s) {unknown}'}; "
+                         f"the tags of {source} are {present}")
+    return [i for i, m in enumerate(metadata) if str(m["tag"]) in tags]
+
+
 def _with_tags(prompts: PromptSet, tags: list[str], key: str) -> PromptSet:
     """The records of ``prompts`` whose metadata ``tag`` is one of ``tags`` (``data.train_tags``), in file order."""
     if prompts.metadata is None or any("tag" not in m for m in prompts.metadata):
         raise ValueError(f"{key}={tags} needs a 'tag' field in every record of {prompts.source} (GenEval-style JSONL)")
-    present = sorted({str(m["tag"]) for m in prompts.metadata})
-    unknown = [t for t in tags if t not in present]
-    if not tags or unknown:
-        raise ValueError(f"{key}={tags}: {'no tags given' if not tags else f'no prompt has tag(s) {unknown}'}; "
-                         f"the tags of {prompts.source} are {present}")
-    return prompts.subset([i for i, m in enumerate(prompts.metadata) if str(m["tag"]) in tags])
+    return prompts.subset(tag_rows(prompts.metadata, tags, key, prompts.source))
 
 
 def build_prompts(data: DictConfig, split: str = "train") -> PromptSet | None:

@@ -31,9 +31,11 @@ from PIL import Image
 
 import rewards
 import samplers
+from flowgrpo.build import tag_rows
 from flowgrpo.models import load_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PROMPTS = ROOT / "assets" / "prompts" / "shapes_test.jsonl"
 
 
 def load_metadata(path: Path) -> list[dict]:
@@ -72,12 +74,8 @@ def grid_image(images: torch.Tensor, columns: int, pad: int = 2) -> Image.Image:
 def evaluate(args) -> dict:
     torch.set_num_threads(args.threads)
     metadata = load_metadata(args.prompts)
-    if args.tags:
-        wanted = [t.strip() for t in args.tags.split(",") if t.strip()]
-        present = sorted({m["tag"] for m in metadata})
-        if not wanted or any(t not in present for t in wanted):
-            raise SystemExit(f"--tags {args.tags!r}: the tags of {args.prompts} are {present}")
-        rows = [i for i, m in enumerate(metadata) if m["tag"] in wanted]
+    if args.tags is not None:
+        rows = tag_rows(metadata, [t.strip() for t in args.tags.split(",") if t.strip()], "--tags", str(args.prompts))
     else:
         rows = list(range(len(metadata)))
     adapter = load_adapter("sd3", str(args.pretrained), device=args.device)
@@ -139,14 +137,15 @@ def evaluate(args) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pretrained", default=str(ROOT / "assets" / "tiny-sd3-shapes"), help="pipeline directory")
-    p.add_argument("--prompts", default=str(ROOT / "assets" / "prompts" / "shapes_test.jsonl"), help="GenEval metadata JSONL")
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="GenEval metadata JSONL")
     p.add_argument("--samples", type=int, default=4, help="images per prompt (GenEval: 4)")
     p.add_argument("--steps", type=int, default=10, help="Euler ODE steps")
     p.add_argument("--guidance-scale", type=float, default=4.5, help="CFG scale (conf/model/sd3_shapes.yaml)")
     p.add_argument("--max-sequence-length", type=int, default=None, help="zero T5 tokens (None: pipeline default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=64, help="images per forward batch")
-    p.add_argument("--grid", default=str(ROOT / "assets" / "tiny-sd3-shapes-samples.png"), help="PNG grid ('' for none)")
+    p.add_argument("--grid", default=None, help="PNG grid ('' for none; default: the asset's sample sheet, "
+                   "or none with --lora / --tags / --prompts so that the shipped sheet is never overwritten)")
     p.add_argument("--grid-prompts-per-row", type=int, default=2, help="prompts per grid row")
     p.add_argument("--json-out", default=None, help="also write the JSON here")
     p.add_argument("--lora", default=None, help="a trainer checkpoint dir (checkpoint-N or its lora/) to load first")
@@ -159,6 +158,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.grid is None:
+        own = args.lora is None and args.tags is None and Path(args.prompts) == DEFAULT_PROMPTS
+        args.grid = str(ROOT / "assets" / "tiny-sd3-shapes-samples.png") if own else ""
     result = evaluate(args)
     text = json.dumps(result, indent=2)
     print(text, flush=True)

@@ -121,6 +121,8 @@ def test_eval_geneval_runs_on_a_saved_pipeline(tmp_path):
     assert set(only["per_tag"]) == {"position"} and [r["prompt"] for r in only["per_prompt"]] == [
         m["prompt"] for m in metas if m["tag"] == "position"]
     assert only["per_tag"]["position"] == result["per_tag"]["position"]
+    no_grid = [a for k, a in enumerate(argv) if "--grid" not in argv[max(k - 1, 0) : k + 1]]  # drop "--grid PATH"
+    assert "grid" not in ev.main([*no_grid, "--tags", "position"])  # the shipped sample sheet is only the default's
     before = np.asarray(Image.open(tmp_path / "grid.png"))
     from peft import LoraConfig, get_peft_model_state_dict
 
@@ -133,7 +135,7 @@ def test_eval_geneval_runs_on_a_saved_pipeline(tmp_path):
     with_lora = ev.main([*argv, "--lora", str(tmp_path / "checkpoint-000001")])
     assert with_lora["lora"] == str(tmp_path / "checkpoint-000001")
     assert not np.array_equal(np.asarray(Image.open(tmp_path / "grid.png")), before)
-    with pytest.raises(SystemExit, match="--tags 'dogs'"):
+    with pytest.raises(ValueError, match=r"--tags=\['dogs'\]: no prompt has tag\(s\) \['dogs'\]; the tags of .* are \['position', 'single_object'\]"):
         ev.main([*argv, "--tags", "dogs"])
     with pytest.raises(SystemExit, match="no pytorch_lora_weights.safetensors"):
         ev.main([*argv, "--lora", str(tmp_path)])
