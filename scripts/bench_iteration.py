@@ -147,6 +147,9 @@ def bench_algorithm(name: str, overrides: list[str], iterations: int, warmup: in
             "backward_seconds": extra["backward"],
             "decode_seconds": extra["decode"],
         })
+        counted = timer.seconds + extra["backward"] + reward_time[0]
+        rows[-1]["outside"] = 1 - counted / scalars["time/iteration"]
+        rows[-1]["overhead"] = 1 - (counted + extra["decode"]) / scalars["time/iteration"]
     timer.close()
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     trained = trainer.batch.rollouts_per_process * trainer.batch.trained_steps * cfg.trainer.inner_epochs
@@ -161,11 +164,10 @@ def bench_algorithm(name: str, overrides: list[str], iterations: int, warmup: in
         "backward_seconds": med["backward_seconds"],
         "decode_seconds": med["decode_seconds"],
         # share of the iteration outside transformer forwards, backward passes and the reward (VAE decode counts
-        # as outside); and the same without the decode: our own code's overhead
-        "outside_transformer_and_reward": 1 - (med["transformer_seconds"] + med["backward_seconds"]
-                                               + med["reward_seconds"]) / med["iteration"],
-        "overhead_excluding_decode": 1 - (med["transformer_seconds"] + med["backward_seconds"] + med["reward_seconds"]
-                                          + med["decode_seconds"]) / med["iteration"],
+        # as outside); and the same without the decode: our own code's overhead. Median of the per-iteration
+        # shares, not a ratio of medians taken from different iterations.
+        "outside_transformer_and_reward": med["outside"],
+        "overhead_excluding_decode": med["overhead"],
         "algorithm": trainer.algorithm.describe(),
         # NFE saved by computing the shared-noise prefix once per prompt instead of once per sample
         "prefix_reuse_nfe_saving": 1 - med["nfe"] / (trainer.batch.rollouts_per_process * cfg.sampler.num_steps),
