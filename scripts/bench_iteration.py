@@ -207,17 +207,18 @@ def bench_pipeline(overrides: list[str], repeats: int, out_dir: Path) -> dict:
             sigmas = trainer.sampler.sigmas
             rollout(trainer._velocity_fn(cond), noise, sigmas, torch.zeros(steps, dtype=torch.bool))
 
-    times = {}
-    for name, fn in (("pipeline", run_pipe), ("rollout", run_ours)):
+    runs = {"pipeline": run_pipe, "rollout": run_ours}
+    samples = {name: [] for name in runs}
+    for fn in runs.values():
         fn()  # warm-up
-        samples = []
-        for _ in range(repeats):
+    for _ in range(repeats):  # alternate the two, so that drifts in machine speed hit both alike
+        for name, fn in runs.items():
             _sync()
             t0 = time.perf_counter()
             fn()
             _sync()
-            samples.append(time.perf_counter() - t0)
-        times[name] = statistics.median(samples)
+            samples[name].append(time.perf_counter() - t0)
+    times = {name: statistics.median(v) for name, v in samples.items()}
     return {"batch": batch, "nfe": steps, "pipeline_seconds": times["pipeline"], "rollout_seconds": times["rollout"],
             "rollout_over_pipeline": times["rollout"] / times["pipeline"]}
 
