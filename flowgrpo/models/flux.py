@@ -110,6 +110,3 @@ class FluxAdapter(FlowAdapter):
         )[0]
         out = out.view(batch, height // 2, width // 2, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
         return out.reshape(batch, channels, height, width)
-
-    def _decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        return self.pipe.image_processor.postprocess(self._decode_image_latents(latents), output_type="pt")

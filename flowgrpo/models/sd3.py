@@ -78,6 +78,3 @@ class SD3Adapter(FlowAdapter):
             pooled_projections=cond.pooled_prompt_embeds,
             return_dict=False,
         )[0]
-
-    def _decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        return self.pipe.image_processor.postprocess(self._decode_image_latents(latents), output_type="pt")
