@@ -284,9 +284,7 @@ def prompt_pools(prompts: PromptSet, sampling: str) -> list[list[int]]:
     """
     if sampling == "uniform":
         return [list(range(len(prompts)))]
-    if prompts.metadata is None or any("tag" not in m for m in prompts.metadata):
-        raise ValueError(f"data.sampling=tag_balanced needs a 'tag' field in every record of {prompts.source} "
-                         "(GenEval-style JSONL); use data.sampling=uniform")
+    _require_tags(prompts, "data.sampling=tag_balanced", "; use data.sampling=uniform")
     pools: dict[str, list[int]] = {}
     for i, m in enumerate(prompts.metadata):
         pools.setdefault(str(m["tag"]), []).append(i)
@@ -308,10 +306,16 @@ def tag_rows(metadata: list[dict], tags: list[str], key: str, source: str) -> li
     return [i for i, m in enumerate(metadata) if str(m["tag"]) in tags]
 
 
+def _require_tags(prompts: PromptSet, option: str, hint: str = "") -> None:
+    """Raise naming ``option`` unless every record of ``prompts`` has a metadata ``tag``."""
+    if prompts.metadata is None or any("tag" not in m for m in prompts.metadata):
+        raise ValueError(f"{option} needs a 'tag' field in every record of {prompts.source} "
+                         f"(GenEval-style JSONL){hint}")
+
+
 def _with_tags(prompts: PromptSet, tags: list[str], key: str) -> PromptSet:
     """The records of ``prompts`` whose metadata ``tag`` is one of ``tags`` (``data.train_tags``), in file order."""
-    if prompts.metadata is None or any("tag" not in m for m in prompts.metadata):
-        raise ValueError(f"{key}={tags} needs a 'tag' field in every record of {prompts.source} (GenEval-style JSONL)")
+    _require_tags(prompts, f"{key}={tags}")
     return prompts.subset(tag_rows(prompts.metadata, tags, key, prompts.source))
 
 
@@ -337,7 +341,7 @@ def build_prompts(data: DictConfig, split: str = "train") -> PromptSet | None:
             f"set {_key(data, name)}=PATH"
         )
     prompts = _read_prompts(path, data.format, data.prompt_key, _key(data, name))
-    if split == "train" and data.get("train_tags") is not None:
+    if split == "train" and data.train_tags is not None:
         prompts = _with_tags(prompts, list(data.train_tags), _key(data, "train_tags"))
     if split == "train" and data.max_prompts is not None:
         prompts = prompts.subset(range(min(data.max_prompts, len(prompts))))

@@ -86,15 +86,13 @@ def evaluate(args) -> dict:
             raise SystemExit(f"--lora {args.lora}: no pytorch_lora_weights.safetensors there or in its lora/ folder")
         adapter.pipe.load_lora_weights(str(lora))
     reward = rewards.load("geneval", detector="shapes")
-    # seeds follow the prompt's row in the file, so a --tags subset draws the same images as the full run
-    seed_of = {k: args.seed + 1000 * i for k, i in enumerate(rows)}
     metadata = [metadata[i] for i in rows]
     jobs = [(k, j) for k in range(len(metadata)) for j in range(args.samples)]
     images, scores, t0 = [], [], time.time()
     for start in range(0, len(jobs), args.batch):
         chunk = jobs[start : start + args.batch]
         prompts = [metadata[i]["prompt"] for i, _ in chunk]
-        seeds = [seed_of[i] + j for i, j in chunk]
+        seeds = [args.seed + 1000 * rows[i] + j for i, j in chunk]  # the prompt's file row: --tags keeps its images
         x = generate(adapter, prompts, seeds, steps=args.steps, guidance_scale=args.guidance_scale, height=64,
                      width=64, max_sequence_length=args.max_sequence_length)  # fmt: skip
         out = reward(x, prompts, [metadata[i] for i, _ in chunk])
@@ -123,7 +121,7 @@ def evaluate(args) -> dict:
         "seconds": round(time.time() - t0, 1),
     }
     if args.per_prompt:
-        strict, partial = components["strict"].view(len(metadata), args.samples), components["partial"].view(len(metadata), args.samples)
+        strict, partial = (components[k].view(len(metadata), args.samples) for k in ("strict", "partial"))
         result["per_prompt"] = [{"prompt": m["prompt"], "tag": m["tag"], "strict": round(strict[i].mean().item(), 4),
                                  "partial": round(partial[i].mean().item(), 4)} for i, m in enumerate(metadata)]
     if args.lora:
