@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 r"""Pretrain the embedded world's tiny SD3 pipeline: ``assets/tiny-sd3-shapes`` (issue 3, DESIGN.md).
 
-    python scripts/pretrain_tiny.py                                   # full run: CPU, about 1 h 45 min on 1 thread
+    python scripts/pretrain_tiny.py --omit-steps 3000 --omit-prob 0.4    # the shipped asset: CPU, about 2 h 20 min on 1 thread
+    python scripts/pretrain_tiny.py                                   # the clean pipeline (no caption noise)
     python scripts/pretrain_tiny.py --resume                          # continue from <ckpt-dir>/last.pt
     python scripts/pretrain_tiny.py --vae-steps 20 --flow-steps 20 --size toy --out /tmp/x   # smoke run
 
@@ -16,7 +17,7 @@ What it builds (real diffusers / transformers classes, small widths; the same co
   two CLIP widths concatenated, SD3's layout), ``pos_embed_max_size`` 16 (up to 128 px).
 - ``scheduler``: ``FlowMatchEulerDiscreteScheduler(shift=3.0)``.
 
-Training, in two stages over one global step counter (so one ``--resume`` covers both):
+Training, in stages over one global step counter (so one ``--resume`` covers all of them):
 
 1. **VAE** (``--vae-steps``): L1 + MSE reconstruction of posterior samples + ``--kl-weight`` x KL (per
    element, mean) to N(0, I); then the latent mean / std over ``--stat-batches`` batches set the factors.
@@ -26,6 +27,14 @@ Training, in two stages over one global step counter (so one ``--resume`` covers
    training spends its steps where the 10-step shift-3 sampler spends its steps (mostly high noise).
    The prompt is replaced by "" with probability ``--cfg-dropout`` (0.1): "" is exactly the negative prompt
    the pipeline's classifier-free guidance encodes. EMA of the trained weights (``--ema``) is what ships.
+3. **Caption noise** (``--omit-steps``, 0 unless asked; the shipped asset used 3000 at ``--omit-prob`` 0.4):
+   the flow-matching stage continued on data where, with probability ``--omit-prob``, one object of the
+   scene is left out of the image while the caption still names it -- web alt-text that names what the
+   crop cut off. The pipeline then leaves out a named object about that often whatever the prompt, which
+   classifier-free guidance cannot remove (the unconditional branch learned the same habit) and a reward
+   that checks the prompt's objects can: the failure GRPO is meant to fix, and one that is shared by the
+   training and the held-out prompts. Without it the pipeline's GenEval errors are per-prompt composition
+   limits that GRPO on 80 training prompts does not transfer to the held-out ones (README, "Where it stalls").
 
 Data: every batch is freshly rendered by the shapes world (``flowgrpo.world``) from random GenEval metadata
 over all six tags (uniform over tags, then uniform over classes / colours / counts / relations; random
@@ -65,7 +74,7 @@ from diffusers.models.attention_processor import JointAttnProcessor2_0
 from transformers import CLIPTextModelWithProjection, CLIPTokenizer
 
 from flowgrpo.models.tiny import clip_text_config, tiny_clip_tokenizer
-from flowgrpo.world import CLASSES, COUNT_WORDS, PALETTE, RELATIONS, TAGS, metadata_for, render_array
+from flowgrpo.world import CLASSES, COUNT_WORDS, PALETTE, RELATIONS, TAGS, draw, metadata_for, sample_scene
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "assets" / "tiny-sd3-shapes"
@@ -266,14 +275,23 @@ def random_metadata(rng: np.random.Generator) -> dict:
     return metadata_for(tag, tuple(classes), colors=tuple(colors))
 
 
-def render_batch(rng: np.random.Generator, batch: int, exclude: set[str]) -> tuple[torch.Tensor, list[str]]:
-    """Freshly rendered scenes in [-1, 1] ``[B, 3, 64, 64]`` and their prompts."""
+def render_batch(
+    rng: np.random.Generator, batch: int, exclude: set[str], omit_prob: float = 0.0
+) -> tuple[torch.Tensor, list[str]]:
+    """Freshly rendered scenes in [-1, 1] ``[B, 3, 64, 64]`` and their prompts.
+
+    ``omit_prob``: probability that one of the scene's objects (uniformly chosen) is left out of the image
+    while the caption still names it -- the caption noise of the ``omit`` stage (module doc).
+    """
     images, prompts = [], []
     while len(prompts) < batch:
         meta = random_metadata(rng)
         if meta["prompt"] in exclude:
             continue
-        images.append(render_array(meta, rng=rng))
+        shapes = sample_scene(meta, rng)
+        if omit_prob > 0.0 and rng.random() < omit_prob:
+            shapes.pop(int(rng.integers(len(shapes))))
+        images.append(draw(shapes))
         prompts.append(meta["prompt"])
     x = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1.0
     return x, prompts
@@ -322,7 +340,13 @@ class Trainer:
 
     @property
     def total(self) -> int:
-        return self.args.vae_steps + self.args.flow_steps
+        return self.args.vae_steps + self.args.flow_steps + self.args.omit_steps
+
+    def stage(self) -> str:
+        args = self.args
+        if self.step < args.vae_steps:
+            return "vae"
+        return "flow" if self.step < args.vae_steps + args.flow_steps else "omit"
 
     # -- checkpoint
     def state_dict(self) -> dict:
@@ -399,11 +423,16 @@ class Trainer:
         self.vae.register_to_config(shift_factor=round(mean, 6), scaling_factor=round(1.0 / std, 6))
         print(f"[pretrain] latent mean {mean:.4f} std {std:.4f} -> shift_factor {mean:.4f}, scaling_factor {1 / std:.4f}", flush=True)
 
-    def flow_step(self) -> dict:
+    def flow_step(self, omit: bool = False) -> dict:
+        """One flow-matching step; ``omit``: the caption-noise stage (its own lr schedule, ``--omit-prob``)."""
         args, pipe = self.args, self.pipe
+        if omit:
+            lr = lr_at(self.step - args.vae_steps - args.flow_steps, args.omit_steps, args.omit_lr, args.warmup)
+        else:
+            lr = lr_at(self.step - args.vae_steps, args.flow_steps, args.lr, args.warmup)
         for g in self.flow_opt.param_groups:
-            g["lr"] = lr_at(self.step - args.vae_steps, args.flow_steps, args.lr, args.warmup)
-        x, prompts = render_batch(self.data_rng, args.batch, self.exclude)
+            g["lr"] = lr
+        x, prompts = render_batch(self.data_rng, args.batch, self.exclude, args.omit_prob if omit else 0.0)
         n = len(prompts)
         with torch.no_grad():
             z = self.vae.encode(x.to(self.device)).latent_dist.sample()
@@ -433,13 +462,13 @@ class Trainer:
             m.train()
         window, t0, s0 = [], time.time(), self.step
         while self.step < self.total:
-            stage = "vae" if self.step < args.vae_steps else "flow"
+            stage = self.stage()
             if stage == "vae":
                 self.vae.train()
                 metrics = self.vae_step()
             else:
                 self.vae.eval()
-                metrics = self.flow_step()
+                metrics = self.flow_step(omit=stage == "omit")
             self.step += 1
             window.append(metrics["loss"])
             if self.step == args.vae_steps:
@@ -454,7 +483,7 @@ class Trainer:
                       f"{json.dumps({k: v for k, v in entry.items() if k not in ('step', 'stage', 'loss')})} "
                       f"{rate:.2f} it/s eta {eta:.1f} min", flush=True)  # fmt: skip
                 window = []
-            if self.step % args.ckpt_every == 0 or self.step in (args.vae_steps, self.total, args.stop_at):
+            if self.step % args.ckpt_every == 0 or self.step in (args.vae_steps, args.vae_steps + args.flow_steps, self.total, args.stop_at):
                 self.save_checkpoint()
             if self.step == args.stop_at:
                 print(f"[pretrain] stopped at step {self.step} (--stop-at); continue with --resume", flush=True)
@@ -506,6 +535,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=5e-4, help="flow-matching peak lr (transformer + text encoders)")
     p.add_argument("--warmup", type=int, default=100, help="lr warmup steps of each stage")
     p.add_argument("--shift", type=float, default=3.0, help="timestep shift of the training sigmas (= sampler's)")
+    p.add_argument("--omit-steps", type=int, default=0, help="caption-noise stage steps, after the flow stage (module doc)")
+    p.add_argument("--omit-prob", type=float, default=0.4, help="probability that a caption names an object the image leaves out")
+    p.add_argument("--omit-lr", type=float, default=2e-4, help="peak lr of the caption-noise stage")
     p.add_argument("--cfg-dropout", type=float, default=0.1, help="probability of the empty prompt")
     p.add_argument("--ema", type=float, default=0.999, help="EMA decay of the shipped flow weights")
     p.add_argument("--seed", type=int, default=0)
@@ -533,9 +565,9 @@ def main(argv=None) -> Trainer:
     if (args.resume or args.export_only) and ckpt.exists():
         # CPU first: RNG states must stay CPU tensors; weights and optimizer states follow their parameters.
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        for key in ("size", "seed", "vae_steps", "flow_steps", "batch", "vae_batch"):
-            if state["args"][key] != getattr(args, key):
-                print(f"[pretrain] warning: --{key.replace('_', '-')} {getattr(args, key)} differs from the checkpoint's {state['args'][key]}", flush=True)
+        for key in ("size", "seed", "vae_steps", "flow_steps", "omit_steps", "omit_prob", "batch", "vae_batch"):
+            if state["args"].get(key, 0) != getattr(args, key):
+                print(f"[pretrain] warning: --{key.replace('_', '-')} {getattr(args, key)} differs from the checkpoint's {state['args'].get(key, 0)}", flush=True)
         trainer.load_state_dict(state)
         print(f"[pretrain] resumed {ckpt} at step {trainer.step}", flush=True)
     elif args.resume:
@@ -544,7 +576,7 @@ def main(argv=None) -> Trainer:
     sizes = {n: count_params(getattr(pipe, n)) for n in ("vae", "text_encoder", "text_encoder_2", "transformer")}
     print(f"[pretrain] device {trainer.device}, {args.threads} threads; params "
           + ", ".join(f"{n} {v / 1e6:.2f}M" for n, v in sizes.items())
-          + f"; {args.vae_steps} VAE steps x {args.vae_batch} + {args.flow_steps} flow steps x {args.batch}; "
+          + f"; {args.vae_steps} VAE steps x {args.vae_batch} + {args.flow_steps} flow steps + {args.omit_steps} caption-noise steps x {args.batch}; "
           f"{len(trainer.exclude)} held-out prompts excluded", flush=True)  # fmt: skip
     if args.export_only:
         trainer.export()

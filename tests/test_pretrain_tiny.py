@@ -69,11 +69,12 @@ def _flat(trainer):
 
 
 def test_resume_matches_running_on_and_saved_pipeline_loads(tmp_path):
-    straight = pt.main(_args(tmp_path / "a"))
-    pt.main(_args(tmp_path / "b", "--stop-at", "4"))  # interrupted in the flow stage, after the VAE stage
+    straight = pt.main(_args(tmp_path / "a", "--omit-steps", "2"))
+    pt.main(_args(tmp_path / "b", "--omit-steps", "2", "--stop-at", "4"))  # interrupted in the flow stage
     assert not (tmp_path / "b" / "pipe").exists() and (tmp_path / "b" / "ckpt" / "last.pt").exists()
-    resumed = pt.main(_args(tmp_path / "b", "--resume"))
-    assert resumed.step == straight.step == 6
+    pt.main(_args(tmp_path / "b", "--omit-steps", "2", "--resume", "--stop-at", "7"))  # and in the caption-noise stage
+    resumed = pt.main(_args(tmp_path / "b", "--omit-steps", "2", "--resume"))
+    assert resumed.step == straight.step == 8 and straight.stage() == "omit"
     (a, fa, ra), (b, fb, rb) = _flat(straight), _flat(resumed)
     assert a.keys() == b.keys() and fa == fb and ra == rb
     for key in a:
@@ -95,6 +96,34 @@ def test_resume_matches_running_on_and_saved_pipeline_loads(tmp_path):
     ema = dict(zip([n for m in ("transformer", "text_encoder", "text_encoder_2") for n, _ in getattr(straight.pipe, m).named_parameters()], straight.ema))
     name = "transformer_blocks.0.attn.to_q.weight"
     assert torch.equal(shipped[name], ema[name]) and not torch.equal(shipped[name], trained[name])
+
+
+def test_caption_noise_leaves_out_one_named_object():
+    """``--omit-prob``: the image lacks one of the objects its caption names; 0 keeps the clean data stream."""
+    from scipy import ndimage
+
+    from flowgrpo.world import render_array
+
+    named = {m["prompt"]: sum(c["count"] for c in m["include"]) for m in all_metadata()}
+
+    def objects(image):  # objects never touch (DESIGN.md), so connected non-white regions are objects
+        return ndimage.label((image < 250).any(axis=0))[1]
+
+    clean, prompts = pt.render_batch(np.random.default_rng(3), 24, set())
+    rng = np.random.default_rng(3)
+    for image, prompt in zip(clean, prompts):
+        meta = pt.random_metadata(rng)
+        assert meta["prompt"] == prompt
+        reference = torch.from_numpy(render_array(meta, rng=rng)).permute(2, 0, 1).float() / 127.5 - 1.0
+        assert torch.equal(image, reference)  # omit_prob=0 draws exactly what the clean stage drew
+    noisy, prompts = pt.render_batch(np.random.default_rng(3), 24, set(), omit_prob=1.0)
+    counts = [(objects(((x + 1.0) * 127.5).numpy()), named[p]) for x, p in zip(noisy, prompts)]
+    assert all(seen == want - 1 for seen, want in counts), counts
+    assert all(objects(((x + 1.0) * 127.5).numpy()) == named[p] for x, p in zip(clean, pt.render_batch(np.random.default_rng(3), 24, set())[1]))
+    assert {want for _, want in counts} >= {1, 2}  # blank images for one-object captions, fewer for the rest
+    half, prompts = pt.render_batch(np.random.default_rng(4), 200, set(), omit_prob=0.4)
+    left_out = np.mean([objects(((x + 1.0) * 127.5).numpy()) < named[p] for x, p in zip(half, prompts)])
+    assert 0.3 < left_out < 0.5
 
 
 def test_eval_geneval_runs_on_a_saved_pipeline(tmp_path):
