@@ -255,6 +255,7 @@ class TrainerConfig:
     eval_every: int = _knob(10, ge=0)  # iterations between held-out evaluations; 0 = only before/after
     eval_before: bool = True  # evaluate the pretrained model first (the baseline)
     eval_num_prompts: Optional[int] = _knob(None, ge=1)  # held-out prompts per evaluation; null = all
+    eval_seed: int = 0  # seeds the held-out images: one fixed benchmark whatever trainer.seed (runs stay comparable)
     eval_samples_per_prompt: int = _knob(1, ge=1)  # fixed-seed images per held-out prompt (GenEval: 4)
     eval_samples_per_tag: Optional[int] = _knob(None, ge=1)  # at least this many images per metadata tag (small tags get more seeds)
     gallery_every: int = _knob(10, ge=0)  # iterations between galleries (PNG grid + parquet + W&B table); 0 = off

@@ -458,8 +458,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, tag: str = "eval") -> dict[str, float]:
         """Held-out reward with a deterministic ODE (``sampler.eval_num_steps``), CFG and fixed seeds
-        (``trainer.eval_samples_per_prompt`` per prompt, sample j of prompt i seeded by ``(seed, i, j)``), with EMA
-        weights when enabled. Prompts are dealt round-robin over processes and the scores gathered.
+        (``trainer.eval_samples_per_prompt`` per prompt, sample j of prompt i seeded by ``(eval_seed, i, j)``, so
+        runs with different ``trainer.seed`` are judged on the same images), with EMA weights when enabled. Prompts are dealt round-robin over processes and the scores gathered.
 
         Besides the mean over samples of the reward and each component, a GenEval-style reward (components
         ``strict/<tag>``, ``partial/<tag>``) also gets GenEval's overall score: the mean over tags of the per-tag
@@ -486,7 +486,7 @@ class Trainer:
                 sub = list(range(start, min(start + chunk, len(jobs))))
                 part = local.subset(sub)
                 cond = self._encode(part.prompts)
-                gens = [_gen(t.seed, _EVAL, jobs[k][0], jobs[k][1]) for k in sub]
+                gens = [_gen(t.eval_seed, _EVAL, jobs[k][0], jobs[k][1]) for k in sub]
                 noise = self.adapter.prepare_noise(len(sub), generator=gens, **self.model_kw["size"])
                 traj = rollout(self._velocity_fn(cond), noise, sigmas, torch.zeros(sigmas.shape[0] - 1, dtype=torch.bool))
                 images = self.adapter.decode(traj.final).float().clamp(0, 1)

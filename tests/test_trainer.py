@@ -287,6 +287,17 @@ def test_evaluation_scores_several_seeds_per_prompt_and_reports_the_geneval_over
     tags = [k for k in result if k.startswith("eval/strict/") and result[k] == result[k]]
     assert tags and result["eval/geneval"] == pytest.approx(sum(result[k] for k in tags) / len(tags))
     assert set(one) == set(result)
+    # the held-out images follow trainer.eval_seed, not the training seed: runs with other seeds stay comparable
+    def held_out_images(name, *overrides):
+        tr = Trainer(make_cfg(tmp_path / name, "reward=geneval", "trainer.eval_num_prompts=3", *overrides), tmp_path / name)
+        seen, real_reward = [], tr.reward
+        tr.reward = lambda images, prompts, metadata=None: seen.append(images) or real_reward(images, prompts, metadata)
+        tr.evaluate()
+        return torch.cat(seen)
+
+    base = held_out_images("base")
+    assert torch.equal(base, held_out_images("seed", "trainer.seed=7"))
+    assert not torch.equal(base, held_out_images("eval_seed", "trainer.eval_seed=7"))
 
 
 def test_tag_balanced_sampling_draws_every_tag_about_equally(tmp_path):
