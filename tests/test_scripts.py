@@ -3,6 +3,7 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -84,6 +85,12 @@ def test_bench_time_to_reward_writes_curves_per_seed(tmp_path):
     ])
     run = report["algorithms"]["flash_grpo"]["runs"][0]
     assert not run["reached"] and [p["iteration"] for p in run["curve"]] == [0, 1] and run["seconds"] > 0
+    assert report["ratios"] == {} and "mix_grpo_late" not in bench.TRAINING
+    rows = {"flow_grpo": {"reached": "3/3", "median_seconds": 200.0}, "mix_grpo": {"reached": "3/3", "median_seconds": 50.0},
+            "flash_grpo": {"reached": "2/3", "median_seconds": 40.0}}  # fmt: skip
+    assert bench.ratios(rows) == {"flow_grpo": 1.0, "mix_grpo": 0.25}  # a partly reached row has no ratio
+    with pytest.raises(SystemExit, match="--algorithms: unknown \\['grpo'\\]"):
+        bench.main(["--algorithms", "grpo", "--out", str(out)])
 
 
 def test_bench_multireward_trains_each_aggregator_on_the_same_budget(tmp_path):
