@@ -7,6 +7,7 @@ non-zero and the update really moves the weights."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -324,3 +325,26 @@ def test_an_update_raises_the_log_prob_of_positive_advantage_samples(tmp_path):
     assert adv.abs().sum() > 0
     corr = torch.corrcoef(torch.stack([adv, change.cpu()]))[0, 1]
     assert corr > 0.5 and float((adv * change.cpu()).sum()) > 0, (corr, adv, change)
+
+
+def test_the_default_run_raises_held_out_geneval(tmp_path):
+    """``python train.py`` on the embedded pipeline, shortened to 30 iterations: held-out GenEval rises.
+
+    The shipped pipeline leaves out an object its prompt names about 40% of the time, whatever the prompt
+    (``scripts/pretrain_tiny.py``, caption-noise stage); GRPO against GenEval removes that habit on the
+    training prompts and the held-out ones alike. Measured on 2 cores: strict 0.233 -> 0.36, partial 0.394 -> 0.48
+    at 25 iterations of the full 100 (README); ~2.5 min here.
+    """
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("train", overrides=["logger=none", "trainer.iterations=30", "trainer.eval_every=30",
+                                          "trainer.gallery_every=0", "trainer.checkpoint_every=0",
+                                          f"trainer.output_dir={tmp_path}"])  # fmt: skip
+    assert cfg.model.pretrained == "assets/tiny-sd3-shapes" and cfg.reward.name == "geneval"
+    trainer = Trainer(cfg, tmp_path)
+    trainer.fit()
+    evals = [row for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "eval/geneval" in row]
+    before, after = evals[0], evals[-1]
+    assert (before["iteration"], after["iteration"]) == (0, 30)
+    assert after["eval/geneval"] - before["eval/geneval"] > 0.06, (before["eval/geneval"], after["eval/geneval"])
+    assert after["eval/geneval_partial"] - before["eval/geneval_partial"] > 0.05, (
+        before["eval/geneval_partial"], after["eval/geneval_partial"])
