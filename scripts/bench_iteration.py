@@ -73,6 +73,37 @@ class CallTimer:
             h.remove()
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def pool_results(fn, jobs: list, processes: int):
+    """Yield ``fn(job)`` for every job as it finishes, in ``processes`` spawned workers (in this process when 1).
+
+    Unlike a bare ``ProcessPoolExecutor``, the workers do not outlive an error, Ctrl-C or a SIGTERM of this process:
+    they are terminated on the way out (orphaned workers would keep training and skew every timing taken after)."""
+    if processes <= 1:
+        for job in jobs:
+            yield fn(job)
+        return
+    import multiprocessing
+    import signal
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        for future in as_completed([pool.submit(fn, job) for job in jobs]):
+            yield future.result()
+    finally:
+        workers = list((pool._processes or {}).values())  # private, but the executor has no terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+        for worker in workers:
+            if worker.is_alive():
+                worker.terminate()
+        signal.signal(signal.SIGTERM, previous)
+
+
 def emit(report: dict, out: Path | None) -> dict:
     """Print ``report`` as indented JSON (and write it to ``out`` when given); returns it."""
     text = json.dumps(report, indent=2)

@@ -27,14 +27,13 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
-from bench_iteration import compose  # noqa: E402
+from bench_iteration import compose, pool_results  # noqa: E402
 
 METRICS = {
     "geneval": "eval/geneval/geneval",                  # GenEval overall (strict), mean over tags
@@ -145,13 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
             "threads": threads, "root": tempfile.mkdtemp(prefix="multireward-")}
     jobs = [(agg, seed, opts) for seed in seeds for agg in args.aggregators.split(",")]
     t0 = time.time()
-    if args.jobs > 1:
-        import multiprocessing
-
-        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            runs = list(pool.map(run, jobs))
-    else:
-        runs = [run(job) for job in jobs]
+    finished = {(r["aggregator"], r["seed"]): r for r in pool_results(run, jobs, args.jobs)}
+    runs = [finished[agg, seed] for agg, seed, _ in jobs]
     report = {"model": args.model, "iterations": args.iterations, "seeds": seeds, "jpeg_weight": args.jpeg_weight,
               "overrides": args.set, "wall_seconds": round(time.time() - t0, 1), "summary": summarise(runs),
               "runs": runs}

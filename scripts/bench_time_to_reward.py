@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
@@ -31,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
-from bench_iteration import ALGORITHMS, compose  # noqa: E402
+from bench_iteration import ALGORITHMS, compose, pool_results  # noqa: E402
 
 # the five algorithms (bench_iteration's "mix_grpo_late" is a timing layout, not a training recipe)
 TRAINING = [name for name in ALGORITHMS if name != "mix_grpo_late"]
@@ -119,13 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="time-to-reward-") as root:
         jobs = [(name, seed, args, Path(root) / f"{name}-{seed}") for name in names for seed in seeds]
-        if args.jobs > 1:
-            with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-                for future in as_completed([pool.submit(run_job, job) for job in jobs]):
-                    record(*future.result())
-        else:
-            for job in jobs:
-                record(*run_job(job))
+        for result in pool_results(run_job, jobs, args.jobs):
+            record(*result)
     plot(report, args.out.with_suffix(".png"))
     print(json.dumps({**{k: {kk: vv for kk, vv in v.items() if kk != "runs"} for k, v in report["algorithms"].items()},
                       "ratios": report["ratios"]}, indent=2))
