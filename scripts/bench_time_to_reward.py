@@ -8,8 +8,8 @@ Every run is the real trainer with held-out evaluation every ``--eval-every`` it
 excluded from the clock: it is the same for every algorithm and not part of training). A run stops at the
 first evaluation that reaches the target, or at ``--max-iterations``. The default target, held-out GenEval
 (mean over tags, strict) ≥ 0.35, is the shipped pipeline's 0.233 plus about 0.12. ``ratios``: each algorithm's
-median seconds to the target over Flow-GRPO's (when both reached it in every seed). The JSON is rewritten after
-every algorithm, so an interrupted run keeps what it measured.
+median seconds to the target over Flow-GRPO's (when both reached it in every seed). The JSON is rewritten as
+every run finishes, so an interrupted benchmark keeps what it measured (unfinished runs are counted as such).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def run(algorithm: str, seed: int, args, out_dir: Path) -> dict:
     from flowgrpo.trainer import Trainer
 
     cfg = compose([f"model={args.model}", f"reward={args.reward}", "logger=none", f"trainer.seed={seed}",
-                   f"trainer.iterations={args.max_iterations}", "trainer.eval_every=0", "trainer.gallery_every=0", "trainer.checkpoint_every=0",
-                   f"trainer.output_dir={out_dir}", *ALGORITHMS[algorithm], *args.set])
+                   f"trainer.iterations={args.max_iterations}", "trainer.eval_every=0", "trainer.gallery_every=0",
+                   "trainer.checkpoint_every=0", f"trainer.output_dir={out_dir}", *ALGORITHMS[algorithm], *args.set])
     trainer = Trainer(cfg, out_dir)
     curve = [{"iteration": 0, "seconds": 0.0, "value": trainer.evaluate()[args.metric]}]
     clock = 0.0
@@ -139,7 +139,7 @@ def run_job(job: tuple) -> tuple[str, int, dict]:
 def summarise(runs: list[dict], planned: int) -> dict:
     done = [r for r in runs if r["reached"]]
     return {
-        "reached": f"{len(done)}/{len(runs)}" + ("" if len(runs) == planned else f" ({planned - len(runs)} still running)"),
+        "reached": f"{len(done)}/{len(runs)}" + ("" if len(runs) == planned else f" ({planned - len(runs)} not finished)"),
         "median_seconds": statistics.median(r["seconds"] for r in done) if done else None,
         "median_iterations": statistics.median(r["iterations"] for r in done) if done else None,
         "runs": runs,
@@ -149,7 +149,7 @@ def summarise(runs: list[dict], planned: int) -> dict:
 def ratios(rows: dict) -> dict:
     """Median seconds to the target over Flow-GRPO's, for algorithms that reached it in every seed (as Flow-GRPO)."""
     def complete(row):
-        if "running" in row["reached"]:
+        if "not finished" in row["reached"]:
             return False
         done, total = map(int, row["reached"].split("/"))
         return done == total and row["median_seconds"]
