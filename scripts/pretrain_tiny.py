@@ -34,7 +34,8 @@ Training, in stages over one global step counter (so one ``--resume`` covers all
    classifier-free guidance cannot remove (the unconditional branch learned the same habit) and a reward
    that checks the prompt's objects can: the failure GRPO is meant to fix, and one that is shared by the
    training and the held-out prompts. Without it the pipeline's GenEval errors are per-prompt composition
-   limits that GRPO on 80 training prompts does not transfer to the held-out ones (README, "Where it stalls").
+   limits that GRPO on 80 training prompts does not transfer to the held-out ones (README, "On the exact-caption
+   pipeline").
 
 Data: every batch is freshly rendered by the shapes world (``flowgrpo.world``) from random GenEval metadata
 over all six tags (uniform over tags, then uniform over classes / colours / counts / relations; random
