@@ -459,7 +459,8 @@ class Trainer:
     def evaluate(self, tag: str = "eval") -> dict[str, float]:
         """Held-out reward with a deterministic ODE (``sampler.eval_num_steps``), CFG and fixed seeds
         (``trainer.eval_samples_per_prompt`` per prompt, sample j of prompt i seeded by ``(eval_seed, i, j)``, so
-        runs with different ``trainer.seed`` are judged on the same images), with EMA weights when enabled. Prompts are dealt round-robin over processes and the scores gathered.
+        runs with different ``trainer.seed`` are judged on the same images), with EMA weights when enabled. Prompts
+        are dealt round-robin over processes and the scores gathered.
 
         Besides the mean over samples of the reward and each component, a GenEval-style reward (components
         ``strict/<tag>``, ``partial/<tag>``) also gets GenEval's overall score: the mean over tags of the per-tag

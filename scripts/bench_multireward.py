@@ -139,12 +139,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
-    opts = {"model": args.model, "iterations": args.iterations, "eval_every": args.eval_every,
-            "eval_num_prompts": args.eval_num_prompts, "jpeg_weight": args.jpeg_weight, "set": args.set,
-            "threads": threads, "root": tempfile.mkdtemp(prefix="multireward-")}
-    jobs = [(agg, seed, opts) for seed in seeds for agg in args.aggregators.split(",")]
     t0 = time.time()
-    finished = {(r["aggregator"], r["seed"]): r for r in pool_results(run, jobs, args.jobs)}
+    with tempfile.TemporaryDirectory(prefix="multireward-") as root:  # the runs' scratch output dirs
+        opts = {"model": args.model, "iterations": args.iterations, "eval_every": args.eval_every,
+                "eval_num_prompts": args.eval_num_prompts, "jpeg_weight": args.jpeg_weight, "set": args.set,
+                "threads": threads, "root": root}
+        jobs = [(agg, seed, opts) for seed in seeds for agg in args.aggregators.split(",")]
+        finished = {(r["aggregator"], r["seed"]): r for r in pool_results(run, jobs, args.jobs)}
     runs = [finished[agg, seed] for agg, seed, _ in jobs]
     report = {"model": args.model, "iterations": args.iterations, "seeds": seeds, "jpeg_weight": args.jpeg_weight,
               "overrides": args.set, "wall_seconds": round(time.time() - t0, 1), "summary": summarise(runs),

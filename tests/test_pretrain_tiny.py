@@ -106,23 +106,23 @@ def test_caption_noise_leaves_out_one_named_object():
 
     named = {m["prompt"]: sum(c["count"] for c in m["include"]) for m in all_metadata()}
 
-    def objects(image):  # objects never touch (DESIGN.md), so connected non-white regions are objects
-        return ndimage.label((image < 250).any(axis=0))[1]
+    def objects(x):  # objects never touch (DESIGN.md), so connected non-white regions of [-1, 1] pixels are objects
+        return ndimage.label((((x + 1.0) * 127.5).numpy() < 250).any(axis=0))[1]
 
-    clean, prompts = pt.render_batch(np.random.default_rng(3), 24, set())
+    clean, clean_prompts = pt.render_batch(np.random.default_rng(3), 24, set())
     rng = np.random.default_rng(3)
-    for image, prompt in zip(clean, prompts):
+    for image, prompt in zip(clean, clean_prompts):
         meta = pt.random_metadata(rng)
         assert meta["prompt"] == prompt
         reference = torch.from_numpy(render_array(meta, rng=rng)).permute(2, 0, 1).float() / 127.5 - 1.0
         assert torch.equal(image, reference)  # omit_prob=0 draws exactly what the clean stage drew
+    assert all(objects(x) == named[p] for x, p in zip(clean, clean_prompts))
     noisy, prompts = pt.render_batch(np.random.default_rng(3), 24, set(), omit_prob=1.0)
-    counts = [(objects(((x + 1.0) * 127.5).numpy()), named[p]) for x, p in zip(noisy, prompts)]
+    counts = [(objects(x), named[p]) for x, p in zip(noisy, prompts)]
     assert all(seen == want - 1 for seen, want in counts), counts
-    assert all(objects(((x + 1.0) * 127.5).numpy()) == named[p] for x, p in zip(clean, pt.render_batch(np.random.default_rng(3), 24, set())[1]))
     assert {want for _, want in counts} >= {1, 2}  # blank images for one-object captions, fewer for the rest
     half, prompts = pt.render_batch(np.random.default_rng(4), 200, set(), omit_prob=0.4)
-    left_out = np.mean([objects(((x + 1.0) * 127.5).numpy()) < named[p] for x, p in zip(half, prompts)])
+    left_out = np.mean([objects(x) < named[p] for x, p in zip(half, prompts)])
     assert 0.3 < left_out < 0.5
 
 
