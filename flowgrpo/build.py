@@ -452,7 +452,7 @@ def _trained_steps(cfg: DictConfig) -> tuple[int, str]:
 
     k = trained_step_count(n, a.timestep_fraction)
     if a.timestep_fraction < 1:
-        note += f" × algo.timestep_fraction={a.timestep_fraction}"
+        note += f" × algo.timestep_fraction={a.timestep_fraction} ({a.timestep_selection})"
     return k, note
 
 

@@ -152,6 +152,7 @@ class AlgoConfig:
     global_std: bool = False  # normalise advantages by the batch std instead of the group's
     kl_beta: float = _knob(0.0, ge=0)  # weight of KL to the reference (LoRA disabled)
     timestep_fraction: float = _knob(1.0, gt=0, le=1)  # fraction of the SDE steps trained (DanceGRPO 0.6)
+    timestep_selection: str = _knob("random", choices=("random", "first"))  # which: random per sample, or the noisiest
     shared_noise: bool = False  # one initial noise per group (DanceGRPO / MixGRPO)
     cfg_in_training: bool = True  # recompute log-probs with CFG, as the rollout sampled them
     flash: FlashConfig = field(default_factory=FlashConfig)  # Flash-GRPO only

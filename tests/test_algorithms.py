@@ -325,6 +325,7 @@ CONFIGS = [
     (["algo=grpo", "sampler=sde"], GRPO),
     (["algo=grpo", "sampler=dance", "algo.timestep_fraction=0.6"], GRPO),
     (["algo=grpo", "sampler=cps"], GRPO),
+    (["algo=grpo", "sampler=dance", "algo.timestep_fraction=0.3", "algo.timestep_selection=first"], GRPO),
     (["algo=mix_grpo", "sampler=mix_sde"], MixGRPO),
     (["algo=mix_grpo", "sampler=mix_sde_flash"], MixGRPO),
     (["algo=flash_grpo", "sampler=ode"], FlashGRPO),
@@ -352,6 +353,11 @@ def test_build_algorithm_from_composed_configs(hydra_compose, overrides, cls):
         assert torch.equal(plan.sigmas, sigmas) and torch.equal(plan.sde_mask[0], mask)
         assert (cfg.sampler.compress_ratio < 1) == (plan.num_steps < cfg.sampler.num_steps)
         assert algo.state_dict() == sampler.state_dict()
+    if cls is not FlashGRPO:
+        assert algo.selection == cfg.algo.timestep_selection
+    if cfg.algo.timestep_selection == "first":  # the noisiest SDE steps, the same for every sample
+        k = batch_plan(cfg).trained_steps
+        assert k < plan.num_steps and plan.train_mask[:, :k].all() and not plan.train_mask[:, k:].any()
     if cls is FlashGRPO:
         assert algo.global_std and algo.rectify and algo.max_step == cfg.sampler.num_steps // 2
     assert algo.global_std == cfg.algo.global_std and algo.adv_clip == cfg.algo.adv_clip

@@ -8,7 +8,7 @@ group advantage is broadcast to every trained step.
 ``int(num_steps · timestep_fraction)``). Which ones: a uniform random subset drawn per sample from the plan's
 generator — DanceGRPO's per-sample ``randperm`` over the timesteps. Flow-GRPO's current trainer has the same
 code with the permutation commented out to ``arange``, i.e. it trains the *first* ``⌊f·T⌋`` steps (its 0.99
-default drops just the final step); ``GRPO(selection="first")`` reproduces that.
+default drops just the final step); ``algo.timestep_selection=first`` (``GRPO(selection="first")``) reproduces that.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class GRPO(Algorithm):
                 f"{sampler_cfg.sde!r}: use sampler=sde, sampler=dance or sampler=cps (sampler.sde=all); for the "
                 "MixGRPO window use algo=mix_grpo, for one SDE step per prompt algo=flash_grpo"
             )
-        return cls(base_sigmas, **cls._common_kwargs(algo_cfg, sampler_cfg))
+        return cls(base_sigmas, selection=algo_cfg.timestep_selection, **cls._common_kwargs(algo_cfg, sampler_cfg))
 
     def plan(self, num_prompts: int, group_size: int, *, generator: torch.Generator | None = None) -> RolloutPlan:
         rows = self._check_batch(num_prompts, group_size)

@@ -65,7 +65,7 @@ class MixGRPO(Algorithm):
             )
         window = window if window is not None else build_window(sampler_cfg)
         return cls(base_sigmas, window=window, compress_ratio=float(sampler_cfg.compress_ratio),
-                   **cls._common_kwargs(algo_cfg, sampler_cfg))
+                   selection=algo_cfg.timestep_selection, **cls._common_kwargs(algo_cfg, sampler_cfg))
 
     def schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sigmas [T'+1], sde_mask [T'])`` at the window's current position."""
