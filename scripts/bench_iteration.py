@@ -28,7 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 ALGORITHMS = {
-    "flow_grpo": ["algo=grpo", "sampler=sde"],
+    # Flow-GRPO as the papers run it, every SDE step trained: the ratios' denominator (on the embedded world
+    # `algo=grpo sampler=sde` alone trains the first 3 of 10, conf/method_defaults/sd3_shapes_grpo_sde.yaml)
+    "flow_grpo": ["algo=grpo", "sampler=sde", "algo.timestep_fraction=1"],
     "dance_grpo": ["algo=grpo", "sampler=dance", "algo.timestep_fraction=0.6"],
     "mix_grpo": ["algo=mix_grpo", "sampler=mix_sde"],
     "mix_grpo_flash": ["algo=mix_grpo", "sampler=mix_sde_flash"],

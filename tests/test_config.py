@@ -407,7 +407,9 @@ def test_batch_plan_arithmetic_and_banner(hydra_compose):
         assert text in banner, banner
 
     assert batch_plan(hydra_compose(["algo=flash_grpo"])).trained_steps == 1
-    assert batch_plan(hydra_compose(["sampler=sde", "algo=grpo"])).trained_steps == 10
+    assert batch_plan(hydra_compose(["sampler=sde", "algo=grpo", "algo.timestep_fraction=1"])).trained_steps == 10
+    flow = batch_plan(hydra_compose(["sampler=sde", "algo=grpo"]))  # the embedded model's Flow-GRPO default
+    assert flow.trained_steps == 3 and "algo.timestep_fraction=0.3 (first)" in flow.banner()
     assert batch_plan(hydra_compose(["sampler=cps", "algo=grpo"])).trained_steps == 9
     assert batch_plan(hydra_compose(["model=tiny_sd3", "sampler=dance", "algo=grpo", "algo.timestep_fraction=0.6"])).trained_steps == 9  # 16 × 0.6
     assert batch_plan(hydra_compose(["sampler=dance", "algo=grpo", "algo.timestep_fraction=0.6"])).trained_steps == 6  # the asset: 10 steps
@@ -501,3 +503,20 @@ def test_the_default_is_the_embedded_world_and_models_bring_their_own_defaults(h
     assert hydra_compose(["experiment=mix_grpo_shapes", "debug=default"]).sampler.num_steps == 4
     real = hydra_compose(["model=sd35_medium"])
     assert (real.sampler.num_steps, real.sampler.window.size) == (25, 4)
+
+
+def test_methods_bring_their_own_defaults_per_model(hydra_compose):
+    """conf/method_defaults/<model>_<algo>_<sampler>.yaml: Flow-GRPO on the shapes world trains its noisiest steps."""
+    flow = ("algo=grpo", "sampler=sde")
+
+    def knobs(*overrides):
+        a = hydra_compose(list(overrides)).algo
+        return a.kl_beta, a.timestep_fraction, a.timestep_selection
+
+    assert knobs(*flow) == (0.04, 0.3, "first") == knobs("experiment=flow_grpo_shapes")
+    assert knobs(*flow, "algo.timestep_fraction=1", "algo.timestep_selection=random")[1:] == (1.0, "random")  # CLI wins
+    assert knobs(*flow, "model=sd35_medium") == (0.04, 1.0, "random")  # other models: Flow-GRPO's own recipe
+    assert knobs("algo=grpo", "sampler=dance") == (0.04, 1.0, "random")  # other methods: untouched
+    assert knobs() == (0.0, 1.0, "random")  # the default MixGRPO run
+    with pytest.raises(ConfigError, match="timestep_selection"):
+        validate(hydra_compose([*flow, "algo.timestep_selection=last"]))
