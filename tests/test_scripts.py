@@ -86,6 +86,10 @@ def test_bench_time_to_reward_writes_curves_per_seed(tmp_path):
     run = report["algorithms"]["flash_grpo"]["runs"][0]
     assert not run["reached"] and [p["iteration"] for p in run["curve"]] == [0, 1] and run["seconds"] > 0
     assert report["ratios"] == {} and "mix_grpo_late" not in bench.TRAINING
+    # on the embedded world the iteration bench's Flow-GRPO trains every step (the papers' cost, the ratios'
+    # denominator); time to reward runs Flow-GRPO's default there (the noisiest 3 of 10: conf/method_defaults/)
+    assert bench.compose(bench.ALGORITHMS["flow_grpo"]).algo.timestep_fraction == 1.0
+    assert bench.compose(bench.RECIPES["flow_grpo"]).algo.timestep_fraction == 0.3
     rows = {"flow_grpo": {"reached": "3/3", "median_seconds": 200.0}, "mix_grpo": {"reached": "3/3", "median_seconds": 50.0},
             "flash_grpo": {"reached": "2/3", "median_seconds": 40.0}}  # fmt: skip
     assert bench.ratios(rows) == {"flow_grpo": 1.0, "mix_grpo": 0.25}  # a partly reached row has no ratio
