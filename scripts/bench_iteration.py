@@ -94,15 +94,20 @@ def pool_results(fn, jobs: list, processes: int):
 
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+    finished = False
     try:
         for future in as_completed([pool.submit(fn, job) for job in jobs]):
             yield future.result()
+        finished = True
     finally:
-        workers = list((pool._processes or {}).values())  # private, but the executor has no terminate()
-        pool.shutdown(wait=False, cancel_futures=True)
-        for worker in workers:
-            if worker.is_alive():
-                worker.terminate()
+        if finished:  # idle workers exit on their own (terminating them leaks their semaphores)
+            pool.shutdown(wait=True)
+        else:
+            workers = list((pool._processes or {}).values())  # private, but the executor has no terminate()
+            pool.shutdown(wait=False, cancel_futures=True)
+            for worker in workers:
+                if worker.is_alive():
+                    worker.terminate()
         signal.signal(signal.SIGTERM, previous)
 
 
