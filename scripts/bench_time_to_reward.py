@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
             runs = [results[n, s] for s in seeds if (n, s) in results]
             if runs:
                 report["algorithms"][n] = summarise(runs, len(seeds))
-        report["ratios"] = ratios(report["algorithms"])
+        report["ratios"] = ratios(report["algorithms"], len(seeds))
         args.out.write_text(json.dumps(report, indent=2))
 
     with tempfile.TemporaryDirectory(prefix="time-to-reward-") as root:
@@ -152,19 +152,16 @@ def summarise(runs: list[dict], planned: int) -> dict:
     }
 
 
-def ratios(rows: dict) -> dict:
-    """Median seconds to the target over Flow-GRPO's, for algorithms that reached it in every seed (as Flow-GRPO)."""
+def ratios(rows: dict, planned: int) -> dict:
+    """Median seconds to the target over Flow-GRPO's, for algorithms that reached it in all ``planned`` seeds (as
+    Flow-GRPO)."""
     def complete(row):
-        if "not finished" in row["reached"]:
-            return False
-        done, total = map(int, row["reached"].split("/"))
-        return done == total and row["median_seconds"]
+        return len(row["runs"]) == planned and all(r["reached"] for r in row["runs"])
 
     base = rows.get("flow_grpo")
     if not base or not complete(base):
         return {}
     return {name: round(row["median_seconds"] / base["median_seconds"], 3) for name, row in rows.items() if complete(row)}
-
 
 if __name__ == "__main__":
     main()

@@ -90,9 +90,13 @@ def test_bench_time_to_reward_writes_curves_per_seed(tmp_path):
     # denominator); time to reward runs Flow-GRPO's default there (the noisiest 3 of 10: conf/method_defaults/)
     assert bench.compose(bench.ALGORITHMS["flow_grpo"]).algo.timestep_fraction == 1.0
     assert bench.compose(bench.RECIPES["flow_grpo"]).algo.timestep_fraction == 0.3
-    rows = {"flow_grpo": {"reached": "3/3", "median_seconds": 200.0}, "mix_grpo": {"reached": "3/3", "median_seconds": 50.0},
-            "flash_grpo": {"reached": "2/3", "median_seconds": 40.0}}  # fmt: skip
-    assert bench.ratios(rows) == {"flow_grpo": 1.0, "mix_grpo": 0.25}  # a partly reached row has no ratio
+    def row(reached, seconds):
+        return bench.summarise([{"reached": r, "seconds": seconds, "iterations": 5} for r in reached], 3)
+
+    rows = {"flow_grpo": row([True] * 3, 200.0), "mix_grpo": row([True] * 3, 50.0),
+            "flash_grpo": row([True, True, False], 40.0), "dance_grpo": row([True, True], 30.0)}  # fmt: skip
+    # a partly reached row and one with a seed still running have no ratio
+    assert bench.ratios(rows, 3) == {"flow_grpo": 1.0, "mix_grpo": 0.25}
     with pytest.raises(SystemExit, match="--algorithms: unknown \\['grpo'\\]"):
         bench.main(["--algorithms", "grpo", "--out", str(out)])
 
