@@ -12,7 +12,9 @@ What it builds (real diffusers / transformers classes, small widths; the same co
   ``scaling_factor`` / ``shift_factor`` set from the statistics of encoded training scenes (1/std, mean).
 - ``text_encoder``, ``text_encoder_2``: ``CLIPTextModelWithProjection`` (3 layers, width 64) sharing one
   in-memory BPE ``CLIPTokenizer`` whose merges make every word of the world one token, 16 tokens long.
-  No T5: the pipeline feeds zeros in its place (``text_encoder_3=None, tokenizer_3=None``).
+  No T5: the pipeline feeds zeros in its place. The export ships ``zero_t5``'s placeholder (every weight zero,
+  so its output is those zeros exactly) because diffusers' SD3 requires a ``text_encoder_3`` to load with plain
+  ``from_pretrained``; training runs without it.
 - ``transformer``: ``SD3Transformer2DModel``, patch 2 (64 image tokens), ``joint_attention_dim`` 128 (the
   two CLIP widths concatenated, SD3's layout), ``pos_embed_max_size`` 16 (up to 128 px).
 - ``scheduler``: ``FlowMatchEulerDiscreteScheduler(shift=3.0)``.
@@ -72,9 +74,9 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 from diffusers.models.attention_processor import JointAttnProcessor2_0
-from transformers import CLIPTextModelWithProjection, CLIPTokenizer
+from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
 
-from flowgrpo.models.tiny import clip_text_config, tiny_clip_tokenizer
+from flowgrpo.models.tiny import clip_text_config, tiny_clip_tokenizer, tiny_t5_tokenizer
 from flowgrpo.world import CLASSES, COUNT_WORDS, PALETTE, RELATIONS, TAGS, draw, metadata_for, sample_scene
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,6 +190,23 @@ def build_pipeline(size: str = "asset", seed: int = 0) -> StableDiffusion3Pipeli
         text_encoder_3=None,
         tokenizer_3=None,
     )
+
+
+def zero_t5(width: int) -> tuple[T5EncoderModel, T5Tokenizer]:
+    """A placeholder T5 (``text_encoder_3``, ``tokenizer_3``) for a pipeline trained without one: every weight is zero,
+    so for any prompt it outputs exactly the zeros ``[B, max_sequence_length, width]`` that SD3 feeds when it has no
+    T5 (``width`` = the transformer's ``joint_attention_dim``). diffusers' SD3 pipeline requires both components, so
+    with it the saved pipeline loads with plain ``from_pretrained``; 1 layer, ``tiny_t5_tokenizer``'s 98 pieces.
+    ``flowgrpo.models.load_adapter`` drops it again (same embeddings, no T5 forward)."""
+    tokenizer = tiny_t5_tokenizer()
+    config = T5Config(vocab_size=len(tokenizer), d_model=width, d_kv=1, d_ff=1, num_layers=1, num_heads=1,
+                      relative_attention_num_buckets=8, dropout_rate=0.0, pad_token_id=tokenizer.pad_token_id,
+                      eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id)  # fmt: skip
+    encoder = T5EncoderModel(config).eval()
+    with torch.no_grad():
+        for p in encoder.parameters():
+            p.zero_()
+    return encoder, tokenizer
 
 
 def encode_clip(pipe: StableDiffusion3Pipeline, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -510,7 +529,10 @@ class Trainer:
         out = Path(self.args.out)
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        self.final_pipeline().save_pretrained(tmp)
+        pipe = self.final_pipeline()
+        text_encoder_3, tokenizer_3 = zero_t5(pipe.transformer.config.joint_attention_dim)
+        pipe.register_modules(text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3)  # plain from_pretrained loads it
+        pipe.save_pretrained(tmp)
         summary = {"script": "scripts/pretrain_tiny.py", "args": vars(self.args), "last_log": self.log[-5:]}
         (tmp / "pretrain_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         shutil.rmtree(out, ignore_errors=True)

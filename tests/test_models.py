@@ -308,3 +308,30 @@ def test_tiny_pipeline_is_deterministic():
     state_a, state_b, state_c = (p.transformer.state_dict() for p in (a, b, c))
     assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
     assert not all(torch.equal(state_a[k], state_c[k]) for k in state_a)
+
+
+def test_embedded_asset_loads_with_plain_from_pretrained_and_its_t5_changes_nothing():
+    """`assets/tiny-sd3-shapes` was trained without T5 and ships an all-zero placeholder T5 so that diffusers loads it
+    with no extra argument: its prompt embeddings equal those of the pipeline loaded without T5, bit for bit, and
+    `load_adapter` drops the placeholder (a T5 with real weights it keeps)."""
+    from pathlib import Path
+
+    from diffusers import DiffusionPipeline, StableDiffusion3Pipeline
+
+    from flowgrpo.models.load import drop_zero_t5
+
+    path = Path(__file__).resolve().parents[1] / "assets" / "tiny-sd3-shapes"
+    plain = StableDiffusion3Pipeline.from_pretrained(path)
+    assert isinstance(DiffusionPipeline.from_pretrained(path), StableDiffusion3Pipeline)
+    no_t5 = StableDiffusion3Pipeline.from_pretrained(path, text_encoder_3=None, tokenizer_3=None)
+    assert plain.text_encoder_3 is not None and no_t5.text_encoder_3 is None
+    for max_sequence_length in (256, 1):  # the pipeline's default; the trainer's (conf/model/sd3_shapes.yaml)
+        kwargs = dict(prompt=PROMPTS, prompt_2=None, prompt_3=None, negative_prompt=NEGATIVE,
+                      do_classifier_free_guidance=True, max_sequence_length=max_sequence_length)  # fmt: skip
+        for got, want in zip(plain.encode_prompt(**kwargs), no_t5.encode_prompt(**kwargs), strict=True):
+            assert torch.equal(got, want)
+
+    adapter = load_adapter("sd3", str(path))
+    assert adapter.pipe.text_encoder_3 is None and adapter.pipe.tokenizer_3 is None
+    with_t5 = build_tiny_pipeline("sd3", with_t5=True)
+    assert not drop_zero_t5(with_t5) and with_t5.text_encoder_3 is not None

@@ -74,6 +74,26 @@ def check_tokenizers(pipe, source: str) -> None:
             )
 
 
+def drop_zero_t5(pipe) -> bool:
+    """Drop an SD3 pipeline's T5 if every one of its weights is zero, and say whether it did.
+
+    Such a T5 outputs exactly zero for every prompt, which is what SD3 feeds in T5's place when it has none:
+    `assets/tiny-sd3-shapes` ships one (trained without T5) only so that plain `from_pretrained` loads it.
+    Without it the prompt embeddings are the same, bit for bit, and no T5 runs (nor warns that a short
+    `max_sequence_length` truncates the prompt).
+    """
+    from transformers import T5EncoderModel
+
+    t5 = getattr(pipe, "text_encoder_3", None)
+    if not isinstance(t5, T5EncoderModel):
+        return False
+    norm = t5.encoder.final_layer_norm.weight  # checked first: a real T5's is nonzero, so its other weights are not read
+    if norm.is_meta or norm.any() or any(p.any() for p in t5.parameters()):
+        return False
+    pipe.register_modules(text_encoder_3=None, tokenizer_3=None)
+    return True
+
+
 def _check_attention(attention: str) -> None:
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"Unknown `model.attention` {attention!r}; expected one of {ATTENTION_BACKENDS}.")
@@ -111,7 +131,7 @@ def load_adapter(
             but slower on CPUs without native bfloat16.
         pipeline_kwargs: passed to `from_pretrained` (e.g. `revision`, `variant`, a component to override).
             Components saved as `None` (an SD3 without T5, a Wan without `transformer_2`) are passed as `None`
-            automatically.
+            automatically; an SD3 T5 whose weights are all zero is dropped (`drop_zero_t5`: the same embeddings).
 
     Returns:
         `FlowAdapter`: an `SD3Adapter`, `FluxAdapter` or `WanAdapter`.
@@ -160,6 +180,8 @@ def load_adapter(
             pipe = pipeline_cls.from_pretrained(pretrained, dtype=dtype, **pipeline_kwargs)
         except OSError as err:
             raise _load_error(pretrained, family, err) from err
+        if family == "sd3":
+            drop_zero_t5(pipe)
         check_tokenizers(pipe, _where(pretrained))
         for component in pipe.components.values():
             if isinstance(component, torch.nn.Module):
