@@ -327,6 +327,7 @@ def test_an_update_raises_the_log_prob_of_positive_advantage_samples(tmp_path):
     assert corr > 0.5 and float((adv * change.cpu()).sum()) > 0, (corr, adv, change)
 
 
+@pytest.mark.slow
 def test_the_default_run_raises_held_out_geneval(tmp_path):
     """``python train.py`` on the embedded pipeline, shortened to 30 iterations: held-out GenEval rises.
 
