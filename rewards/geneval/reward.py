@@ -5,7 +5,8 @@ Components of the returned :class:`~rewards.RewardOutput` (all ``[B]`` float32):
 - ``partial`` (= ``scores``): Flow-GRPO's partial credit, the training scalar. With the default
   ``partial_credit="flowgrpo"`` it is bit-for-bit the reference reward server's, so it can be negative
   (count credit unclipped) -- see :mod:`rewards.geneval.rules`; ``"clipped"`` keeps it in [0, 1].
-- ``strict``: GenEval's benchmark verdict (0/1); its per-tag mean is the GenEval score.
+- ``strict``: GenEval's benchmark verdict (0/1); the mean over tags of its per-tag means is the GenEval score
+  (:func:`~rewards.geneval.summary.geneval_summary` computes it, with the same for ``partial``).
 - ``exact``: Flow-GRPO's ``strict_correct`` (0/1): exact counts, no exclude clauses.
 - ``strict/<tag>``, ``partial/<tag>`` for the six tags: the sample's value where the sample has that tag
   and **NaN elsewhere** (Flow-GRPO uses -10 there); average them with ``torch.nanmean``. Every key is
