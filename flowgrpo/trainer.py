@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -35,24 +34,15 @@ from .algorithms import RolloutPlan, build_algorithm
 from .algorithms.losses import ppo_clip_loss, reduce_log_prob
 from .build import batch_plan, build_adapter, build_prompts, build_reward, build_sampler, model_kwargs, prompt_pools
 from .checkpoint import CheckpointManager, GracefulStop, capture_rng_state, restore_rng_state, save_lora_weights
+from .evaluation import EvalSamples, held_out_jobs, score_jobs
+from .evaluation import seeded_generator as _gen
 from .finetune import EMA, frozen_reference, load_trainable_state, prepare_trainable, reference_policy, trainable_state
 from .gallery import Gallery
 
-__all__ = ["Trainer", "Batch", "geneval_overall", "eval_seed_counts"]
+__all__ = ["Trainer", "Batch"]
 
-_MIX = 1_000_003  # odd multiplier mixing (seed, iteration, index) into one generator seed
-
-
-def _gen(*keys: int, device: str | torch.device = "cpu") -> torch.Generator:
-    """A generator seeded by a tuple of integers (deterministic, independent streams for distinct tuples)."""
-    seed = 0
-    for k in keys:
-        seed = (seed * _MIX + int(k) + 1) % (2**63 - 1)
-    return torch.Generator(device=device).manual_seed(seed)
-
-
-# Stream ids: which kind of draw a generator serves.
-_PROMPTS, _NOISE, _SDE, _ORDER, _EVAL = 1, 2, 3, 4, 5
+# Stream ids: which kind of draw a generator serves (held-out noise: flowgrpo.evaluation.EVAL_STREAM = 5).
+_PROMPTS, _NOISE, _SDE, _ORDER = 1, 2, 3, 4
 
 
 @dataclass
@@ -77,32 +67,6 @@ class Batch:
 
 def _subset_plan(plan: RolloutPlan, rows: torch.Tensor) -> RolloutPlan:
     return replace(plan, sde_mask=plan.sde_mask[rows], train_mask=plan.train_mask[rows])
-
-
-def eval_seed_counts(prompts, per_prompt: int, per_tag: int | None) -> list[int]:
-    """Fixed seeds per held-out prompt: ``per_prompt`` each, raised so that every metadata ``tag`` gets at least
-    ``per_tag`` images (``ceil(per_tag / prompts of the tag)`` per prompt): a tag-averaged score (GenEval's overall)
-    is then not dominated by the noise of tags with one or two prompts."""
-    counts = [per_prompt] * len(prompts)
-    if per_tag is None or prompts.metadata is None:
-        return counts
-    sizes: dict[str, int] = {}
-    for m in prompts.metadata:
-        sizes[str(m.get("tag"))] = sizes.get(str(m.get("tag")), 0) + 1
-    return [max(c, math.ceil(per_tag / sizes[str(m.get("tag"))])) for c, m in zip(counts, prompts.metadata)]
-
-
-def geneval_overall(result: dict[str, float], tag: str = "eval") -> dict[str, float]:
-    """GenEval's overall score from the per-tag means ``{tag}/[prefix/]strict/<t>`` and ``…/partial/<t>`` of a
-    GenEval reward (``prefix`` names it inside ``reward=multi``), skipping NaN (absent) tags: the mean over tags,
-    ``{tag}/[prefix/]geneval`` and ``{tag}/[prefix/]geneval_partial``. Empty when nothing is per-tag."""
-    found: dict[tuple[str, str], list[float]] = {}
-    for key, value in result.items():
-        m = re.fullmatch(re.escape(tag) + r"/((?:.+/)?)(strict|partial)/[^/]+", key)
-        if m and not math.isnan(value):
-            found.setdefault((m.group(1), m.group(2)), []).append(value)
-    names = {"strict": "geneval", "partial": "geneval_partial"}
-    return {f"{tag}/{prefix}{names[kind]}": sum(v) / len(v) for (prefix, kind), v in found.items()}
 
 
 class Trainer:
@@ -457,55 +421,52 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, tag: str = "eval") -> dict[str, float]:
-        """Held-out reward with a deterministic ODE (``sampler.eval_num_steps``), CFG and fixed seeds
-        (``trainer.eval_samples_per_prompt`` per prompt, sample j of prompt i seeded by ``(eval_seed, i, j)``, so
-        runs with different ``trainer.seed`` are judged on the same images), with EMA weights when enabled. Prompts
-        are dealt round-robin over processes and the scores gathered.
+        """Held-out evaluation with :mod:`flowgrpo.evaluation`'s protocol (``scripts/eval_geneval.py`` runs the same):
+        a deterministic ODE (``sampler.eval_num_steps``) with CFG from fixed seeds (``trainer.eval_samples_per_prompt``
+        per prompt, raised to at least ``trainer.eval_samples_per_tag`` per tag; sample j of prompt i seeded by
+        ``(trainer.eval_seed, i, j)``, so runs with different ``trainer.seed`` are judged on the same images), with EMA
+        weights when enabled. The (prompt, seed) jobs are dealt round-robin over processes and the scores gathered
+        back into job order, so any number of processes scores the same samples as one.
 
-        Besides the mean over samples of the reward and each component, a GenEval-style reward (components
-        ``strict/<tag>``, ``partial/<tag>``) also gets GenEval's overall score: the mean over tags of the per-tag
-        means (``{tag}/geneval``, ``{tag}/geneval_partial``), so tags weigh equally whatever their prompt counts.
+        Returns the mean over samples of the reward and of each component (``{tag}/reward``, ``{tag}/<component>``)
+        and, for a GenEval reward (bare or inside ``reward=multi``), GenEval's overall score: the mean over tags of
+        the per-tag means (``{tag}/[prefix/]geneval``, ``{tag}/[prefix/]geneval_partial``), so tags weigh equally
+        whatever their prompt counts.
         """
         if self.test_set is None:
             return {}
         t = self.cfg.trainer
-        total = len(self.test_set) if t.eval_num_prompts is None else min(t.eval_num_prompts, len(self.test_set))
-        seeds = eval_seed_counts(self.test_set.subset(range(total)), t.eval_samples_per_prompt, t.eval_samples_per_tag)
-        # (prompt, seed) jobs dealt round-robin; every process runs the same number: padding is scored and dropped
-        everything = [(i, j) for i in range(total) for j in range(seeds[i])]
-        per_proc = math.ceil(len(everything) / self.world)
-        jobs = [(*everything[min(k, len(everything) - 1)], k < len(everything))
-                for k in range(self.rank, per_proc * self.world, self.world)]
-        valid = torch.tensor([float(ok) for _, _, ok in jobs], device=self.device)
-        local = self.test_set.subset([i for i, _, _ in jobs])
-        chunk = max(1, self.batch.rollout_batch_per_process)
-        sigmas = self.sampler.eval_sigmas
-        scores, comps = [], {}
-        images_kept = []
+        jobs = held_out_jobs(self.test_set, t.eval_samples_per_prompt, t.eval_samples_per_tag,
+                             num_prompts=t.eval_num_prompts)
+        # every process runs the same number of jobs (a gather needs equal shapes): padding repeats the last job and
+        # is dropped after the gather
+        per_proc = math.ceil(len(jobs) / self.world)
+        mine = list(range(self.rank, per_proc * self.world, self.world))
+        first = []
+
+        def keep_first(start, prompts, images, out):  # the gallery shows the main process's first batch
+            if start == 0:
+                first.append((prompts, images, out))
+
         with self.ema.swapped_in() if self.ema is not None else nullcontext():
-            for start in range(0, len(jobs), chunk):
-                sub = list(range(start, min(start + chunk, len(jobs))))
-                part = local.subset(sub)
-                cond = self._encode(part.prompts)
-                gens = [_gen(t.eval_seed, _EVAL, jobs[k][0], jobs[k][1]) for k in sub]
-                noise = self.adapter.prepare_noise(len(sub), generator=gens, **self.model_kw["size"])
-                traj = rollout(self._velocity_fn(cond), noise, sigmas, torch.zeros(sigmas.shape[0] - 1, dtype=torch.bool))
-                images = self.adapter.decode(traj.final).float().clamp(0, 1)
-                out = self.reward(images, part.prompts, part.metadata)
-                scores.append(out.scores.to(self.device))
-                for k, v in out.components.items():
-                    comps.setdefault(k, []).append(v.to(self.device))
-                if start == 0:
-                    images_kept.append((part.prompts, images, out))
-        scores = self.acc.gather(torch.cat(scores))
-        keep = self.acc.gather(valid) > 0
-        result = {f"{tag}/reward": float(scores[keep].mean())}
-        for k, parts in comps.items():
-            v = self.acc.gather(torch.cat(parts))[keep]
-            result[f"{tag}/{k}"] = float(torch.nanmean(v)) if torch.any(~torch.isnan(v)) else float("nan")
-        result.update(geneval_overall(result, tag))
-        if self.gallery is not None and images_kept:
-            prompts, images, out = images_kept[0]
+            local = score_jobs(self.adapter, self.reward, self.test_set, [jobs[min(k, len(jobs) - 1)] for k in mine],
+                               seed=t.eval_seed, sigmas=self.sampler.eval_sigmas, model_kw=self.model_kw,
+                               batch_size=self.batch.rollout_batch_per_process, autocast=self.acc.autocast,
+                               on_batch=keep_first)
+        index = self.acc.gather(torch.tensor([k if k < len(jobs) else -1 for k in mine], device=self.device))
+        valid = index >= 0
+        position = torch.empty(len(jobs), dtype=torch.long, device=self.device)  # gathered row of each job
+        position[index[valid]] = valid.nonzero().flatten()
+
+        def gathered(v: torch.Tensor) -> torch.Tensor:
+            return self.acc.gather(v.to(self.device).contiguous())[position]
+
+        samples = EvalSamples(jobs=jobs, prompts=self.test_set.subset([i for i, _ in jobs]),
+                              scores=gathered(local.scores),
+                              components={k: gathered(v) for k, v in local.components.items()})
+        result = samples.scalars(tag)
+        if self.gallery is not None and first:
+            prompts, images, out = first[0]
             self.gallery.log(self.iteration, prompts, images, rewards=out.scores, components=out.components, tag=tag)
         return result
 

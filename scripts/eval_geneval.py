@@ -1,21 +1,30 @@
 #!/usr/bin/env python
-r"""GenEval of a pipeline on the shapes world's held-out prompts (issue 3, "Show it").
+r"""Held-out GenEval of a pipeline with the trainer's evaluation protocol.
 
-    python scripts/eval_geneval.py                                    # the shipped asset, 4 samples per prompt
+    python scripts/eval_geneval.py                                    # the shipped asset: the trainer's iteration-0 eval
     python scripts/eval_geneval.py --pretrained outputs/pretrain_tiny/export --grid /tmp/grid.png
     python scripts/eval_geneval.py --lora outputs/DATE/TIME/checkpoints/checkpoint-000100 --tags counting \
-        --samples 48 --per-prompt --grid ''                           # a trained run's LoRA, prompt by prompt
+        --samples 48 --per-prompt                                     # a trained run's LoRA, prompt by prompt
 
-Per prompt of ``--prompts`` (``assets/prompts/shapes_test.jsonl``: GenEval metadata JSONL), ``--samples``
-images from fixed seeds (sample j of prompt i uses noise seed ``seed + 1000 * i + j``, whatever the batching),
-sampled with the deterministic Euler ODE (``samplers.rollout`` with no SDE step) over the pipeline's own
-``--steps``-step schedule with classifier-free guidance ``--guidance-scale`` (negative prompt ""), batched.
-Scored with ``rewards.load("geneval", detector="shapes")``. Prints JSON: per tag the GenEval (``strict``,
-GenEval's benchmark verdict) and Flow-GRPO's partial credit (``partial``), and ``overall`` = the mean over the
-six tags (GenEval's convention: tags weigh equally, whatever their number of prompts). Writes a PNG grid:
-``--grid-prompts-per-row`` prompts per row in file order (grouped by tag), each prompt's samples side by side.
-``--lora`` loads a trainer checkpoint's LoRA (``checkpoint-N`` or its ``lora/`` folder) with ``pipe.load_lora_weights``;
-``--tags`` keeps the prompts of some tags; ``--per-prompt`` adds each prompt's mean strict / partial to the JSON.
+The protocol is :mod:`flowgrpo.evaluation`'s, the code ``Trainer.evaluate`` runs, on the config ``python train.py``
+composes (``--set`` adds any override of its command line, e.g. ``--set model=tiny_sd3``): per held-out prompt of
+``data.test_file`` (``--prompts``), ``trainer.eval_samples_per_prompt`` images (``--samples``), raised so that
+every tag gets at least ``trainer.eval_samples_per_tag`` (``--samples-per-tag``; the shapes test set: 48, so 300
+images); sample j of prompt i starts from the noise of the generator seeded by ``(trainer.eval_seed, i, j)``
+(``--seed``), whatever the batching or the tags kept; deterministic Euler ODE over ``sampler.eval_num_steps``
+(``--steps``) steps of the pipeline's own schedule, classifier-free guidance ``model.guidance_scale``
+(``--guidance-scale``, negative prompt ``model.negative_prompt``), batched; scored by ``reward`` (GenEval with the
+shapes detector). With no flags it scores the very samples of the trainer's evaluation at iteration 0 and prints
+the same overall score.
+
+Prints JSON: per tag the GenEval (``strict``, GenEval's benchmark verdict), Flow-GRPO's partial credit
+(``partial``) and the number of images ``n``; ``overall`` / ``overall_partial`` = the mean over tags
+(:func:`rewards.geneval_summary`: tags weigh equally, whatever their number of prompts), what the trainer logs as
+``eval/geneval`` / ``eval/geneval_partial``. ``--lora`` loads a trainer checkpoint's LoRA (``checkpoint-N`` or
+its ``lora/`` folder) with ``pipe.load_lora_weights``; ``--tags`` keeps the prompts of some tags (their images
+are those of the full evaluation); ``--per-prompt`` adds each prompt's mean strict / partial; ``--grid`` writes a
+PNG: ``--grid-prompts-per-row`` prompts per row in file order (grouped by tag), each prompt's first
+``--grid-samples`` images side by side.
 """
 
 from __future__ import annotations
@@ -23,142 +32,183 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-import rewards
-import samplers
-from flowgrpo.build import tag_rows
-from flowgrpo.models import load_adapter
+from flowgrpo.build import batch_plan, build_adapter, build_prompts, build_reward, build_sampler, model_kwargs, tag_rows
+from flowgrpo.evaluation import held_out_jobs, score_jobs
+from rewards import geneval_prefixes
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_PROMPTS = ROOT / "assets" / "prompts" / "shapes_test.jsonl"
 
 
-def load_metadata(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+def compose(overrides: list[str]):
+    """The config ``python train.py OVERRIDES`` composes."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    import flowgrpo.config  # noqa: F401  (registers the schemas)
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return hydra_compose("train", overrides=overrides)
 
 
-@torch.no_grad()
-def generate(adapter, prompts: list[str], seeds: list[int], *, steps: int, guidance_scale: float, height: int,
-             width: int, max_sequence_length: int | None) -> torch.Tensor:  # fmt: skip
-    """Images ``[B, 3, H, W]`` in [0, 1]: Euler ODE from per-sample seeded noise, CFG in one batched forward."""
-    cond = adapter.encode_prompts(prompts, guidance_scale=guidance_scale, max_sequence_length=max_sequence_length)
-    generators = [torch.Generator().manual_seed(s) for s in seeds]  # CPU draws: the same noise on any device
-    noise = adapter.prepare_noise(len(prompts), height=height, width=width, generator=generators)
-    sigmas = adapter.sigmas(steps, height=height, width=width)
-    trajectory = samplers.rollout(
-        lambda x, sigma: adapter.velocity(x, sigma, cond, guidance_scale=guidance_scale),
-        noise,
-        sigmas,
-        sde_mask=torch.zeros(steps, dtype=torch.bool),
-    )
-    return adapter.decode(trajectory.latents[:, -1]).clamp(0, 1).cpu()
+def _per_tag(text: str) -> int:
+    return 0 if text.lower() in ("none", "null") else int(text)
 
 
-def grid_image(images: torch.Tensor, columns: int, pad: int = 2) -> Image.Image:
-    """Images ``[N, 3, H, W]`` in row-major order on a light grey canvas."""
-    n, _, h, w = images.shape
-    rows = (n + columns - 1) // columns
+def grid_image(cells: list[torch.Tensor | None], columns: int, pad: int = 2) -> Image.Image:
+    """Images ``[3, H, W]`` (None: an empty cell) in row-major order on a light grey canvas."""
+    h, w = next(c for c in cells if c is not None).shape[-2:]
+    rows = (len(cells) + columns - 1) // columns
     canvas = np.full((rows * (h + pad) + pad, columns * (w + pad) + pad, 3), 200, dtype=np.uint8)
-    arrays = (images.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
-    for k, a in enumerate(arrays):
+    for k, cell in enumerate(cells):
+        if cell is None:
+            continue
         r, c = divmod(k, columns)
+        a = (cell.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
         canvas[pad + r * (h + pad) : pad + r * (h + pad) + h, pad + c * (w + pad) : pad + c * (w + pad) + w] = a
     return Image.fromarray(canvas)
 
 
+def autocast_factory(mixed_precision: str, device: str):
+    """The autocast the trainer's accelerator applies around each velocity for ``trainer.mixed_precision``."""
+    if mixed_precision == "no":
+        return nullcontext
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
+    return partial(torch.autocast, device_type=torch.device(device).type, dtype=dtype)
+
+
+def config(args):
+    """The composed config with the flags applied (they override ``--set``)."""
+    cfg = compose(list(args.set))
+    flags = {
+        ("model", "pretrained"): args.pretrained,
+        ("model", "guidance_scale"): args.guidance_scale,
+        ("model", "max_sequence_length"): args.max_sequence_length,
+        ("data", "test_file"): args.prompts,
+        ("sampler", "eval_num_steps"): args.steps,
+        ("trainer", "eval_seed"): args.seed,
+        ("trainer", "eval_samples_per_prompt"): args.samples,
+    }
+    for (group, key), value in flags.items():
+        if value is not None:
+            cfg[group][key] = value
+    if args.samples_per_tag is not None:
+        cfg.trainer.eval_samples_per_tag = args.samples_per_tag or None
+    return cfg
+
+
 def evaluate(args) -> dict:
-    torch.set_num_threads(args.threads)
-    metadata = load_metadata(args.prompts)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = config(args)
+    t = cfg.trainer
+    prompts = build_prompts(cfg.data, "test")
+    if prompts is None:
+        raise SystemExit("data.test_file is null: no held-out prompts to evaluate (give --prompts)")
+    tags = None
     if args.tags is not None:
-        rows = tag_rows(metadata, [t.strip() for t in args.tags.split(",") if t.strip()], "--tags", str(args.prompts))
-    else:
-        rows = list(range(len(metadata)))
-    adapter = load_adapter("sd3", str(args.pretrained), device=args.device)
+        tags = [s.strip() for s in args.tags.split(",") if s.strip()]
+        tag_rows(prompts.metadata or [], tags, "--tags", prompts.source)  # names --tags when a tag is unknown
+    jobs = held_out_jobs(prompts, t.eval_samples_per_prompt, t.eval_samples_per_tag, num_prompts=t.eval_num_prompts,
+                         tags=tags)
+    adapter = build_adapter(cfg.model, device=args.device)
     if args.lora:
         lora = Path(args.lora)
         lora = lora / "lora" if (lora / "lora").is_dir() else lora
         if not (lora / "pytorch_lora_weights.safetensors").is_file():
             raise SystemExit(f"--lora {args.lora}: no pytorch_lora_weights.safetensors there or in its lora/ folder")
         adapter.pipe.load_lora_weights(str(lora))
-    reward = rewards.load("geneval", detector="shapes")
-    metadata = [metadata[i] for i in rows]
-    jobs = [(k, j) for k in range(len(metadata)) for j in range(args.samples)]
-    images, scores, t0 = [], [], time.time()
-    for start in range(0, len(jobs), args.batch):
-        chunk = jobs[start : start + args.batch]
-        prompts = [metadata[i]["prompt"] for i, _ in chunk]
-        seeds = [args.seed + 1000 * rows[i] + j for i, j in chunk]  # the prompt's file row: --tags keeps its images
-        x = generate(adapter, prompts, seeds, steps=args.steps, guidance_scale=args.guidance_scale, height=64,
-                     width=64, max_sequence_length=args.max_sequence_length)  # fmt: skip
-        out = reward(x, prompts, [metadata[i] for i, _ in chunk])
-        images.append(x)
-        scores.append(out.components)
-    components = {k: torch.cat([s[k] for s in scores]) for k in scores[0]}
-    tags = list(dict.fromkeys(m["tag"] for m in metadata))
-    per_tag = {
-        tag: {
-            "strict": round(torch.nanmean(components[f"strict/{tag}"]).item(), 4),
-            "partial": round(torch.nanmean(components[f"partial/{tag}"]).item(), 4),
-            "n": int((~torch.isnan(components[f"strict/{tag}"])).sum()),
-        }
-        for tag in tags
-    }
+    reward = build_reward(cfg.reward)
+    sigmas = build_sampler(cfg.sampler, adapter=adapter, model=cfg.model).eval_sigmas
+    batch = args.batch or batch_plan(cfg, 1).rollout_batch_per_process  # the trainer's batches by default
+    images = []
+    t0 = time.time()
+    samples = score_jobs(adapter, reward, prompts, jobs, seed=t.eval_seed, sigmas=sigmas, model_kw=model_kwargs(cfg.model),
+                         batch_size=batch, autocast=autocast_factory(t.mixed_precision, args.device),
+                         on_batch=(lambda start, p, x, out: images.append(x.cpu())) if args.grid else None)
+    seconds = time.time() - t0
+    found = geneval_prefixes(samples.components)
+    if len(found) != 1:
+        raise SystemExit(f"reward={cfg.reward.name}: {len(found)} GenEval rewards among its components "
+                         f"{sorted(samples.components)}; this script summarises exactly one")
+    prefix = found[0]
+    summary = samples.geneval(prefix)
     result = {
-        "pretrained": str(args.pretrained),
-        "prompts": str(args.prompts),
-        "samples_per_prompt": args.samples,
-        "steps": args.steps,
-        "guidance_scale": args.guidance_scale,
-        "seed": args.seed,
-        "per_tag": per_tag,
-        "overall": round(float(np.mean([v["strict"] for v in per_tag.values()])), 4),
-        "overall_partial": round(float(np.mean([v["partial"] for v in per_tag.values()])), 4),
-        "seconds": round(time.time() - t0, 1),
+        "pretrained": str(cfg.model.pretrained),
+        "prompts": prompts.source,
+        "samples_per_prompt": t.eval_samples_per_prompt,
+        "samples_per_tag": t.eval_samples_per_tag,
+        "images": len(jobs),
+        "steps": cfg.sampler.eval_num_steps,
+        "guidance_scale": cfg.model.guidance_scale,
+        "seed": t.eval_seed,
+        "per_tag": {tag: {"strict": round(v["strict"], 4), "partial": round(v["partial"], 4), "n": v["n"]}
+                    for tag, v in summary["per_tag"].items()},
+        "overall": round(summary["overall"], 4),
+        "overall_partial": round(summary["overall_partial"], 4),
+        "seconds": round(seconds, 1),
     }
+    rows_of: dict[int, list[int]] = {}
+    for row, (i, _) in enumerate(samples.jobs):
+        rows_of.setdefault(i, []).append(row)
     if args.per_prompt:
-        strict, partial = (components[k].view(len(metadata), args.samples) for k in ("strict", "partial"))
-        result["per_prompt"] = [{"prompt": m["prompt"], "tag": m["tag"], "strict": round(strict[i].mean().item(), 4),
-                                 "partial": round(partial[i].mean().item(), 4)} for i, m in enumerate(metadata)]
+        strict, partial_ = samples.components[f"{prefix}strict"], samples.components[f"{prefix}partial"]
+        result["per_prompt"] = [
+            {"prompt": prompts.prompts[i], "tag": prompts.metadata[i]["tag"] if prompts.metadata else None,
+             "strict": round(strict[rows].mean().item(), 4), "partial": round(partial_[rows].mean().item(), 4),
+             "n": len(rows)}
+            for i, rows in rows_of.items()
+        ]
     if args.lora:
         result["lora"] = str(args.lora)
     if args.grid:
-        grid_image(torch.cat(images), columns=args.samples * args.grid_prompts_per_row).save(args.grid)
+        every = torch.cat(images)
+        width = min(args.grid_samples, max(len(rows) for rows in rows_of.values()))
+        cells = [every[rows[k]] if k < len(rows) else None for rows in rows_of.values() for k in range(width)]
+        grid_image(cells, columns=width * args.grid_prompts_per_row).save(args.grid)
         result["grid"] = str(args.grid)
     return result
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pretrained", default=str(ROOT / "assets" / "tiny-sd3-shapes"), help="pipeline directory")
-    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="GenEval metadata JSONL")
-    p.add_argument("--samples", type=int, default=4, help="images per prompt (GenEval: 4)")
-    p.add_argument("--steps", type=int, default=10, help="Euler ODE steps")
-    p.add_argument("--guidance-scale", type=float, default=4.5, help="CFG scale (conf/model/sd3_shapes.yaml)")
-    p.add_argument("--max-sequence-length", type=int, default=None, help="zero T5 tokens (None: pipeline default)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch", type=int, default=64, help="images per forward batch")
-    p.add_argument("--grid", default=None, help="PNG grid ('' for none; default: the asset's sample sheet, "
-                   "or none with --lora / --tags / --prompts so that the shipped sheet is never overwritten)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a train.py override (repeatable), e.g. --set model=tiny_sd3; the flags below win over it")
+    p.add_argument("--pretrained", default=None, help="pipeline directory (default: model.pretrained)")
+    p.add_argument("--prompts", default=None, help="GenEval metadata JSONL (default: data.test_file)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="images per prompt (default: trainer.eval_samples_per_prompt; GenEval: 4)")
+    p.add_argument("--samples-per-tag", type=_per_tag, default=None,
+                   help="at least this many images per tag, 0 or 'none' for no minimum "
+                   "(default: trainer.eval_samples_per_tag)")
+    p.add_argument("--steps", type=int, default=None, help="Euler ODE steps (default: sampler.eval_num_steps)")
+    p.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (default: model.guidance_scale)")
+    p.add_argument("--max-sequence-length", type=int, default=None,
+                   help="T5 tokens (default: model.max_sequence_length)")
+    p.add_argument("--seed", type=int, default=None, help="held-out seed (default: trainer.eval_seed)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="images per forward batch (default: the trainer's rollout batch; seeds are per image)")
+    p.add_argument("--grid", default=None, help="write a PNG grid of the samples here")
+    p.add_argument("--grid-samples", type=int, default=4, help="images per prompt in the grid")
     p.add_argument("--grid-prompts-per-row", type=int, default=2, help="prompts per grid row")
     p.add_argument("--json-out", default=None, help="also write the JSON here")
     p.add_argument("--lora", default=None, help="a trainer checkpoint dir (checkpoint-N or its lora/) to load first")
     p.add_argument("--tags", default=None, help="comma-separated GenEval tags to keep (default: all)")
     p.add_argument("--per-prompt", action="store_true", help="add each prompt's mean strict / partial")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: leave torch's setting)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.grid is None:
-        own = args.lora is None and args.tags is None and Path(args.prompts) == DEFAULT_PROMPTS
-        args.grid = str(ROOT / "assets" / "tiny-sd3-shapes-samples.png") if own else ""
     result = evaluate(args)
     text = json.dumps(result, indent=2)
     print(text, flush=True)

@@ -1,8 +1,11 @@
-"""GenEval's summary from per-sample components."""
+"""One held-out protocol: GenEval's summary from per-sample components, and the trainer's evaluation and
+``scripts/eval_geneval.py`` scoring the very same samples."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch
 import rewards
 from rewards.geneval.rules import TAGS
 
+ROOT = Path(__file__).resolve().parents[1]
 NAN = math.nan
 
 
@@ -77,3 +81,99 @@ def test_geneval_summary_finds_geneval_inside_reward_multi():
     out = multi(white, ["a photo of a red square"], meta)
     assert rewards.geneval_prefixes(out.components) == ["geneval/"]
     assert rewards.geneval_summary(out.components, meta, prefix="geneval/") == rewards.geneval_summary(bare.components, meta)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_trainer_and_the_script_score_the_same_held_out_samples(tmp_path, monkeypatch):
+    """The shipped asset on 6 held-out prompts (3 tags), 2+ images per tag in batches of 4, a 4-step ODE: the
+    trainer's evaluation and ``scripts/eval_geneval.py`` generate and score the very same samples."""
+    from hydra import compose, initialize_config_dir
+
+    import flowgrpo.config  # noqa: F401
+    from flowgrpo.trainer import Trainer
+
+    overrides = ["trainer.eval_num_prompts=6", "trainer.eval_samples_per_tag=2", "trainer.rollout_batch_size=4",
+                 "sampler.eval_num_steps=4"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[*overrides, "logger=none", f"trainer.output_dir={tmp_path}",
+                                          "trainer.gallery_every=0"])
+    trainer = Trainer(cfg, tmp_path)
+    seen = []
+    real = trainer.reward
+    trainer.reward = lambda images, prompts, metadata=None: seen.append(real(images, prompts, metadata)) or seen[-1]
+    result = trainer.evaluate()
+    assert [len(o.scores) for o in seen] == [4, 3]  # 2 single_object + 2×1 two_object + 3×1 counting
+
+    spec = importlib.util.spec_from_file_location("eval_geneval", ROOT / "scripts" / "eval_geneval.py")
+    ev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ev)
+    scored, build = [], ev.build_reward
+
+    def recording(node):
+        reward = build(node)
+        return lambda images, prompts, metadata=None: scored.append(reward(images, prompts, metadata)) or scored[-1]
+
+    monkeypatch.setattr(ev, "build_reward", recording)
+    report = ev.main([f"--set={o}" for o in overrides] + ["--threads", "1", "--per-prompt"])
+
+    def same(a, b):
+        torch.testing.assert_close(torch.cat(a), torch.cat(b), rtol=0, atol=0, equal_nan=True)
+
+    same([o.scores for o in seen], [o.scores for o in scored])
+    assert seen[0].components.keys() == scored[0].components.keys()
+    for key in seen[0].components:
+        same([o.components[key] for o in seen], [o.components[key] for o in scored])
+    assert report["images"] == 7 and set(report["per_tag"]) == {"single_object", "two_object", "counting"}
+    assert len({v["partial"] for v in report["per_tag"].values()}) > 1  # real verdicts, not all alike
+    assert report["overall"] == round(result["eval/geneval"], 4)
+    assert report["overall_partial"] == round(result["eval/geneval_partial"], 4)
+    for tag, v in report["per_tag"].items():
+        assert v["strict"] == round(result[f"eval/strict/{tag}"], 4) and v["n"] >= 2
+    assert [r["n"] for r in report["per_prompt"]] == [2, 1, 1, 1, 1, 1]
+
+
+TWO = ["logger=none", "trainer.eval_num_prompts=7", "trainer.eval_samples_per_tag=3", "sampler.eval_num_steps=4",
+       "trainer.rollout_batch_size=4", "trainer.gallery_every=0"]  # 13 jobs: one process gets a padding job
+
+
+def _held_out(out):
+    from hydra import compose, initialize_config_dir
+
+    import flowgrpo.config  # noqa: F401
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=[*TWO, f"trainer.output_dir={out}"])
+
+
+def _two_process_eval(out):
+    import json
+
+    from accelerate import Accelerator
+
+    from flowgrpo.trainer import Trainer
+
+    torch.set_num_threads(1)
+    acc = Accelerator(cpu=True)
+    result = Trainer(_held_out(out), out, accelerator=acc).evaluate()
+    if acc.is_main_process:
+        (out / "eval.json").write_text(json.dumps(result))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_two_processes_score_the_held_out_jobs_of_one(tmp_path):
+    """Jobs dealt round-robin to 2 processes (one padded) and gathered back into job order give 1 process's
+    evaluation exactly: per-tag means pair each verdict with its own prompt's tag."""
+    import json
+
+    from accelerate import debug_launcher
+
+    from flowgrpo.trainer import Trainer
+
+    one = Trainer(_held_out(tmp_path / "one"), tmp_path / "one").evaluate()
+    debug_launcher(_two_process_eval, args=(tmp_path / "two",), num_processes=2)
+    two = json.loads((tmp_path / "two" / "eval.json").read_text())
+    assert list(two) == list(one)
+    for key, value in one.items():
+        assert two[key] == value or (math.isnan(value) and math.isnan(two[key])), key
+    tags = [k for k in one if k.startswith("eval/strict/") and not math.isnan(one[k])]
+    assert len(tags) == 4 and one["eval/geneval"] == pytest.approx(sum(one[k] for k in tags) / 4)

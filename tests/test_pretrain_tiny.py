@@ -134,8 +134,8 @@ def test_eval_geneval_runs_on_a_saved_pipeline(tmp_path):
     metas = [m for m in all_metadata() if m["tag"] in ("single_object", "position")][:4]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(m) + "\n" for m in metas))
-    argv = ["--pretrained", str(tmp_path / "pipe"), "--prompts", str(prompts), "--samples", "2", "--steps", "2",
-            "--batch", "3", "--grid", str(tmp_path / "grid.png"), "--device", "cpu"]  # fmt: skip
+    argv = ["--pretrained", str(tmp_path / "pipe"), "--prompts", str(prompts), "--samples", "2", "--samples-per-tag",
+            "none", "--steps", "2", "--batch", "3", "--grid", str(tmp_path / "grid.png"), "--device", "cpu"]  # fmt: skip
     result = ev.main(argv)
     assert set(result["per_tag"]) == {"single_object", "position"}
     assert all(v["n"] == 2 * sum(m["tag"] == t for m in metas) for t, v in result["per_tag"].items())
@@ -151,7 +151,7 @@ def test_eval_geneval_runs_on_a_saved_pipeline(tmp_path):
         m["prompt"] for m in metas if m["tag"] == "position"]
     assert only["per_tag"]["position"] == result["per_tag"]["position"]
     no_grid = [a for k, a in enumerate(argv) if "--grid" not in argv[max(k - 1, 0) : k + 1]]  # drop "--grid PATH"
-    assert "grid" not in ev.main([*no_grid, "--tags", "position"])  # the shipped sample sheet is only the default's
+    assert "grid" not in ev.main([*no_grid, "--tags", "position"])  # no grid unless asked for
     before = np.asarray(Image.open(tmp_path / "grid.png"))
     from peft import LoraConfig, get_peft_model_state_dict
 

@@ -264,18 +264,18 @@ def test_per_reward_aggregation_and_its_config_errors(tmp_path):
 
 
 def test_evaluation_scores_several_seeds_per_prompt_and_reports_the_geneval_overall(tmp_path):
-    from flowgrpo.trainer import geneval_overall
-
-    assert geneval_overall({"eval/strict/a": 1.0, "eval/strict/b": 0.0, "eval/strict/c": float("nan"),
-                            "eval/partial/a": 1.0, "eval/partial/b": 0.5, "eval/reward": 0.1}) == \
-        {"eval/geneval": 0.5, "eval/geneval_partial": 0.75}
-    assert geneval_overall({"eval/reward": 0.3}) == {}
-    assert geneval_overall({"eval/geneval/strict/a": 0.5}) == {"eval/geneval/geneval": 0.5}  # inside reward=multi
     from flowgrpo.build import PromptSet
-    from flowgrpo.trainer import eval_seed_counts
+    from flowgrpo.evaluation import eval_seed_counts, held_out_jobs
 
     ps = PromptSet(list("abcd"), [{"tag": "x"}, {"tag": "y"}, {"tag": "y"}, {"tag": "y"}], "mem")
     assert eval_seed_counts(ps, 1, None) == [1, 1, 1, 1] and eval_seed_counts(ps, 2, 4) == [4, 2, 2, 2]
+    assert held_out_jobs(ps, 1, 2, num_prompts=3) == [(0, 0), (0, 1), (1, 0), (2, 0)]  # counted over the 3 kept
+    assert held_out_jobs(ps, 2, 4, tags=["y"]) == [(i, j) for i in (1, 2, 3) for j in (0, 1)]  # same seeds as in full
+    # inside reward=multi the GenEval overall is named after the sub-reward's prefix
+    multi = Trainer(make_cfg(tmp_path / "m", "reward=multi", "trainer.eval_num_prompts=3"), tmp_path / "m").evaluate()
+    tags = [k for k in multi if k.startswith("eval/geneval/strict/") and multi[k] == multi[k]]
+    assert tags and multi["eval/geneval/geneval"] == pytest.approx(sum(multi[k] for k in tags) / len(tags))
+    assert "eval/jpeg_compressibility" in multi and "eval/jpeg_compressibility/geneval" not in multi
     one = Trainer(make_cfg(tmp_path / "1", "reward=geneval", "trainer.eval_num_prompts=3"), tmp_path / "1").evaluate()
     cfg = make_cfg(tmp_path / "3", "reward=geneval", "trainer.eval_num_prompts=3", "trainer.eval_samples_per_prompt=3")
     three = Trainer(cfg, tmp_path / "3")

@@ -1,0 +1,237 @@
+"""Held-out evaluation: the one protocol behind ``Trainer.evaluate`` and ``scripts/eval_geneval.py``.
+
+>>> jobs = held_out_jobs(test_set, per_prompt=1, per_tag=48)                                   # doctest: +SKIP
+>>> samples = score_jobs(adapter, reward, test_set, jobs, seed=0, sigmas=sampler.eval_sigmas,
+...                      model_kw=model_kwargs(cfg.model), batch_size=64)                      # doctest: +SKIP
+>>> samples.scalars()["eval/geneval"], samples.geneval()["per_tag"]                           # doctest: +SKIP
+
+The protocol, in full:
+
+- **which images** (:func:`held_out_jobs`): the held-out prompts (the first ``trainer.eval_num_prompts`` of them
+  when set), ``trainer.eval_samples_per_prompt`` images each, raised so that every metadata tag gets at least
+  ``trainer.eval_samples_per_tag`` images (:func:`eval_seed_counts`). Sample ``j`` of held-out prompt ``i``
+  starts from the noise drawn by :func:`eval_generator` ``(trainer.eval_seed, i, j)`` — a stream of its own,
+  independent of the training seed, so every run is judged on the same images, whatever the batching, the
+  number of processes or the prompts a caller keeps.
+- **how** (:func:`generate`): the deterministic Euler ODE (``samplers.rollout`` without an SDE step) over the
+  held-out schedule (``sampler.eval_num_steps`` steps of the model scheduler's grid), classifier-free guidance as
+  the model config says (``model.guidance_scale``, ``model.negative_prompt``), batched.
+- **scored and summarised** (:func:`score_jobs`, :class:`EvalSamples`): by the run's reward; the mean over
+  samples of the reward and of each component, and for each GenEval reward (bare or inside ``reward=multi``)
+  GenEval's overall score, the mean over tags of the per-tag means (:func:`rewards.geneval_summary`).
+
+The trainer deals the jobs to its processes and gathers the scores back into job order; the script runs them all
+in one process. Both score the same samples, so the script prints what the trainer's evaluation at iteration 0
+logs for the same pipeline.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Sequence
+
+import torch
+
+from rewards import geneval_prefixes, geneval_summary
+from samplers import rollout
+
+from .build import PromptSet, tag_rows
+
+__all__ = [
+    "EVAL_STREAM",
+    "EvalSamples",
+    "eval_generator",
+    "eval_seed_counts",
+    "generate",
+    "held_out_jobs",
+    "score_jobs",
+    "seeded_generator",
+]
+
+_MIX = 1_000_003  # odd multiplier mixing (seed, iteration, index) into one generator seed
+
+
+def seeded_generator(*keys: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """A generator seeded by a tuple of integers (deterministic, independent streams for distinct tuples)."""
+    seed = 0
+    for k in keys:
+        seed = (seed * _MIX + int(k) + 1) % (2**63 - 1)
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+# The trainer's stream ids are 1-4 (prompts, noise, SDE, step order); held-out noise is stream 5.
+EVAL_STREAM = 5
+
+Job = tuple[int, int]  # (index of the prompt in the held-out set, index of its fixed seed)
+
+
+def eval_generator(eval_seed: int, prompt: int, sample: int) -> torch.Generator:
+    """The CPU generator of held-out sample ``sample`` of prompt ``prompt`` (CPU: the same noise on any device)."""
+    return seeded_generator(eval_seed, EVAL_STREAM, prompt, sample)
+
+
+def eval_seed_counts(prompts: PromptSet, per_prompt: int, per_tag: int | None) -> list[int]:
+    """Fixed seeds per held-out prompt: ``per_prompt`` each, raised so that every metadata ``tag`` gets at least
+    ``per_tag`` images (``ceil(per_tag / prompts of the tag)`` per prompt): a tag-averaged score (GenEval's overall)
+    is then not dominated by the noise of tags with one or two prompts."""
+    counts = [per_prompt] * len(prompts)
+    if per_tag is None or prompts.metadata is None:
+        return counts
+    sizes: dict[str, int] = {}
+    for m in prompts.metadata:
+        sizes[str(m.get("tag"))] = sizes.get(str(m.get("tag")), 0) + 1
+    return [max(c, math.ceil(per_tag / sizes[str(m.get("tag"))])) for c, m in zip(counts, prompts.metadata)]
+
+
+def held_out_jobs(
+    prompts: PromptSet,
+    per_prompt: int,
+    per_tag: int | None,
+    *,
+    num_prompts: int | None = None,
+    tags: Sequence[str] | None = None,
+) -> list[Job]:
+    """The ``(prompt, sample)`` pairs of a held-out evaluation, prompt-major.
+
+    Args:
+        prompts: the held-out prompt set (``data.test_file``).
+        per_prompt, per_tag: ``trainer.eval_samples_per_prompt`` and ``trainer.eval_samples_per_tag`` (see
+            :func:`eval_seed_counts`; counted over the first ``num_prompts`` prompts).
+        num_prompts: keep the first ``num_prompts`` prompts (``trainer.eval_num_prompts``; None: all).
+        tags: keep only the prompts of these metadata tags. A kept prompt keeps its index, hence its seeds and
+            images: a tag's score is the one it has in the full evaluation.
+    """
+    total = len(prompts) if num_prompts is None else min(num_prompts, len(prompts))
+    head = prompts.subset(range(total))
+    counts = eval_seed_counts(head, per_prompt, per_tag)
+    rows = range(total)
+    if tags is not None:
+        if head.metadata is None:
+            raise ValueError(f"keeping tags {list(tags)} needs GenEval metadata; {prompts.source} has none")
+        rows = tag_rows(head.metadata, list(tags), "tags", prompts.source)
+    return [(i, j) for i in rows for j in range(counts[i])]
+
+
+@torch.no_grad()
+def generate(
+    adapter,
+    prompts: list[str],
+    generators: list[torch.Generator],
+    *,
+    sigmas: torch.Tensor,
+    model_kw: dict[str, Any],
+    autocast: Callable[[], ContextManager] = nullcontext,
+) -> torch.Tensor:
+    """Images ``[B, 3, H, W]`` in [0, 1] from the deterministic Euler ODE with CFG, one sample per generator.
+
+    Args:
+        adapter: a :class:`flowgrpo.models.FlowAdapter`.
+        prompts: one prompt per sample.
+        generators: one generator per sample; each draws its sample's initial noise.
+        sigmas: the ``[T+1]`` schedule (``Sampler.eval_sigmas``).
+        model_kw: :func:`flowgrpo.build.model_kwargs` of the model node (size, guidance, negative prompt, T5 length).
+        autocast: a context-manager factory around each velocity (the trainer's ``accelerator.autocast``).
+    """
+    guidance = model_kw["guidance"]
+    extra = {k: v for k, v in guidance.items() if k != "guidance_scale"}
+    cond = adapter.encode_prompts(prompts, model_kw["negative_prompt"], guidance_scale=guidance["guidance_scale"],
+                                  max_sequence_length=model_kw["max_sequence_length"], **extra)
+    noise = adapter.prepare_noise(len(prompts), generator=generators, **model_kw["size"])
+
+    def velocity(x, sigma):
+        with autocast():
+            return adapter.velocity(x, sigma, cond, **guidance)
+
+    trajectory = rollout(velocity, noise, sigmas, torch.zeros(sigmas.shape[0] - 1, dtype=torch.bool))
+    return adapter.decode(trajectory.final).float().clamp(0, 1)
+
+
+@dataclass
+class EvalSamples:
+    """Scored held-out samples, one row per job.
+
+    Attributes:
+        jobs: ``(prompt, sample)`` per row.
+        prompts: the held-out prompts of the rows (``prompts.subset`` by job), metadata aligned.
+        scores: the reward per row, ``[n]``.
+        components: every reward component per row, ``{name: [n]}``.
+    """
+
+    jobs: list[Job]
+    prompts: PromptSet
+    scores: torch.Tensor
+    components: dict[str, torch.Tensor]
+
+    def geneval(self, prefix: str | None = None) -> dict[str, Any]:
+        """:func:`rewards.geneval_summary` of the rows: per-tag means, ``overall`` and ``overall_partial``.
+
+        ``prefix`` names the GenEval reward inside ``reward=multi`` (``"geneval/"``); by default the only one there
+        is. Raises ``ValueError`` when the reward has no GenEval components, or several and no ``prefix``.
+        """
+        if prefix is None:
+            found = geneval_prefixes(self.components)
+            if len(found) != 1:
+                raise ValueError(f"{'no' if not found else 'several'} GenEval rewards among the components "
+                                 f"{sorted(self.components)}{'' if not found else f'; pass prefix= one of {found}'}")
+            prefix = found[0]
+        return geneval_summary(self.components, self.prompts.metadata, prefix=prefix)
+
+    def scalars(self, tag: str = "eval") -> dict[str, float]:
+        """What the trainer logs: ``{tag}/reward`` and ``{tag}/<component>``, means over the rows (NaN entries,
+        e.g. a per-tag component outside its tag, skipped; NaN when all are), and per GenEval reward its overall
+        score, ``{tag}/[prefix/]geneval`` and ``{tag}/[prefix/]geneval_partial`` (when it scored any tag)."""
+        result = {f"{tag}/reward": float(self.scores.mean())}
+        for k, v in self.components.items():
+            result[f"{tag}/{k}"] = float(torch.nanmean(v)) if torch.any(~torch.isnan(v)) else float("nan")
+        for prefix in geneval_prefixes(self.components):
+            summary = geneval_summary(self.components, self.prompts.metadata, prefix=prefix)
+            if summary["per_tag"]:
+                result[f"{tag}/{prefix}geneval"] = summary["overall"]
+                result[f"{tag}/{prefix}geneval_partial"] = summary["overall_partial"]
+        return result
+
+
+@torch.no_grad()
+def score_jobs(
+    adapter,
+    reward,
+    prompts: PromptSet,
+    jobs: Sequence[Job],
+    *,
+    seed: int,
+    sigmas: torch.Tensor,
+    model_kw: dict[str, Any],
+    batch_size: int,
+    autocast: Callable[[], ContextManager] = nullcontext,
+    on_batch: Callable[[int, list[str], torch.Tensor, Any], None] | None = None,
+) -> EvalSamples:
+    """Generate (:func:`generate`) and score the images of ``jobs``, ``batch_size`` at a time, in job order.
+
+    Args:
+        adapter, sigmas, model_kw, autocast: as in :func:`generate`.
+        reward: ``reward(images, prompts, metadata) -> RewardOutput``.
+        prompts: the held-out prompt set the jobs index.
+        jobs: ``(prompt, sample)`` pairs (:func:`held_out_jobs`, or a process's share of them).
+        seed: ``trainer.eval_seed``.
+        on_batch: called as ``on_batch(start, prompts, images, reward_output)`` after each batch (galleries, grids).
+    """
+    jobs = [(int(i), int(j)) for i, j in jobs]
+    if not jobs:
+        raise ValueError("no held-out jobs to score")
+    batch_size = max(1, int(batch_size))
+    rows = prompts.subset([i for i, _ in jobs])
+    scores, components = [], {}
+    for start in range(0, len(jobs), batch_size):
+        part = rows.subset(range(start, min(start + batch_size, len(jobs))))
+        generators = [eval_generator(seed, i, j) for i, j in jobs[start : start + len(part)]]
+        images = generate(adapter, part.prompts, generators, sigmas=sigmas, model_kw=model_kw, autocast=autocast)
+        out = reward(images, part.prompts, part.metadata)
+        scores.append(out.scores)
+        for k, v in out.components.items():
+            components.setdefault(k, []).append(v)
+        if on_batch is not None:
+            on_batch(start, part.prompts, images, out)
+    return EvalSamples(jobs=jobs, prompts=rows, scores=torch.cat(scores),
+                       components={k: torch.cat(v) for k, v in components.items()})
