@@ -19,8 +19,8 @@ A checkpoint directory only ever appears under its final name complete: everythi
 temporary directory in ``root``, flushed to disk, then renamed. A crash (or a writer that raises) while
 saving leaves the previous checkpoint as it was and still ``latest``.
 
-Call ``save`` on the main process only; under FSDP / ZeRO gather the full state dicts first (collectives run on
-every rank), then let rank 0 write.
+Call ``save`` on the main process only; under FSDP gather the full state dicts first (collectives run on every
+rank: ``flowgrpo.finetune.trainable_state(..., gather=True)`` and friends), then let rank 0 write.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ __all__ = [
     "capture_rng_state",
     "restore_rng_state",
     "save_lora_weights",
+    "save_transformer_weights",
 ]
 
 #: File of the torch-saved state inside a checkpoint directory.
@@ -378,7 +379,8 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
-def save_lora_weights(pipe, out_dir: str | os.PathLike, *, transformer: torch.nn.Module | None = None) -> None:
+def save_lora_weights(pipe, out_dir: str | os.PathLike, *, transformer: torch.nn.Module | None = None,
+                      state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """Save the trainable LoRA of the transformer in diffusers format: ``pipe.load_lora_weights(out_dir)`` (or
     ``PipelineClass.load_lora_weights``) loads it into a fresh pipeline.
 
@@ -387,6 +389,9 @@ def save_lora_weights(pipe, out_dir: str | os.PathLike, *, transformer: torch.nn
         out_dir: directory to write ``pytorch_lora_weights.safetensors`` into (created).
         transformer: the LoRA'd transformer, default ``pipe.transformer``; may be the accelerate-wrapped or the
             unwrapped peft-injected model.
+        state_dict: the full weights to save, by the transformer's parameter names (at least its LoRA ones), e.g.
+            ``flowgrpo.finetune.trainable_state(transformer, gather=True)`` on rank 0 under FSDP, where the module's
+            own state dict holds only this rank's shards. Default: the transformer's state dict.
 
     The adapter's ``LoraConfig`` (rank, alpha, target modules) is saved as metadata, so ``lora_alpha != r``
     survives the round trip. Keys stay in PEFT naming (``...to_q.lora_A.weight``), which is diffusers' format for
@@ -413,10 +418,33 @@ def save_lora_weights(pipe, out_dir: str | os.PathLike, *, transformer: torch.nn
     if len(active) != 1:
         raise ValueError(f"save_lora_weights: expected one active adapter, found {active}")
     name = active[0]
-    layers = get_peft_model_state_dict(transformer, adapter_name=name)
+    layers = get_peft_model_state_dict(transformer, state_dict=state_dict, adapter_name=name)
     layers = {k: v.detach().cpu().contiguous() for k, v in layers.items()}
     metadata = peft_config[name].to_dict()
     cls.save_lora_weights(Path(out_dir), transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata)
+
+
+def save_transformer_weights(transformer: torch.nn.Module, out_dir: str | os.PathLike,
+                             params: dict[str, torch.Tensor]) -> None:
+    """Write a diffusers model directory (``config.json`` + ``diffusion_pytorch_model.safetensors``, what
+    ``save_pretrained`` writes, loadable with ``from_pretrained``) from full parameter tensors ``params`` (every
+    parameter by name, e.g. gathered from FSDP shards) and the module's persistent buffers (FSDP does not shard
+    buffers)."""
+    from safetensors.torch import save_file
+
+    transformer = _unwrap(transformer)
+    state = {n: v.detach().cpu().contiguous() for n, v in params.items()}
+    for prefix, module in transformer.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                state[f"{prefix}.{name}" if prefix else name] = buf.detach().cpu().contiguous()
+    missing = {n for n, _ in transformer.named_parameters()} - state.keys()
+    if missing:
+        raise ValueError(f"save_transformer_weights: no tensor for {sorted(missing)[:3]} ({len(missing)} parameters)")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    transformer.save_config(out_dir)
+    save_file(state, out_dir / "diffusion_pytorch_model.safetensors", metadata={"format": "pt"})
 
 
 # ----------------------------------------------------------------------------------------------- stop

@@ -1,5 +1,5 @@
 """What the update trains: LoRA adapters (peft) or every transformer weight; the frozen reference policy for
-the KL term; an EMA of the trainable weights."""
+the KL term; an EMA of the trainable weights; their checkpoint state, gathered in full when FSDP shards them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["prepare_trainable", "reference_policy", "EMA"]
+__all__ = ["prepare_trainable", "reference_policy", "EMA", "gathers_state", "trainable_state", "load_trainable_state",
+           "optimizer_state", "load_optimizer_state"]
 
 
 def prepare_trainable(transformer: torch.nn.Module, model_cfg) -> list[torch.nn.Parameter]:
@@ -43,20 +44,105 @@ def prepare_trainable(transformer: torch.nn.Module, model_cfg) -> list[torch.nn.
     return params
 
 
-def trainable_state(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Name → tensor of the trainable parameters (CPU copies), for checkpoints."""
-    return {n: p.detach().cpu().clone() for n, p in transformer.named_parameters() if p.requires_grad}
+def gathers_state(accelerator) -> bool:
+    """Whether ``accelerator`` shards the trainable state across processes, so that a checkpoint must gather it in
+    full (collectives: every rank calls the state functions below with ``gather=True``; rank 0 gets the tensors).
+
+    FSDP2 (``conf/accelerate/fsdp.yaml``): True. Plain / DDP: False. DeepSpeed (``conf/accelerate/
+    deepspeed_zero2.yaml``) and FSDP1: ``NotImplementedError`` — ZeRO partitions the optimizer state per rank and
+    nothing here gathers it, FSDP1 is not verified; a checkpoint of rank 0's shard would resume wrongly.
+    """
+    from accelerate.utils import DistributedType
+
+    kind = getattr(accelerator, "distributed_type", None)
+    if kind == DistributedType.DEEPSPEED:
+        raise NotImplementedError(
+            "DeepSpeed (conf/accelerate/deepspeed_zero2.yaml) is not supported by the trainer's checkpoints: ZeRO "
+            "partitions the optimizer state across ranks and the trainer does not gather it, so a checkpoint would "
+            "hold rank 0's partition only. Use conf/accelerate/fsdp.yaml (FSDP2) or multi_gpu.yaml (DDP)")
+    if kind == DistributedType.FSDP:
+        if not getattr(accelerator, "is_fsdp2", False):
+            raise NotImplementedError(
+                "FSDP1 is not supported by the trainer's checkpoints (not verified); set fsdp_version: 2 as "
+                "conf/accelerate/fsdp.yaml does")
+        return True
+    return False
 
 
-def load_trainable_state(transformer: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    params = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
-    if params.keys() != state.keys():
-        missing, extra = params.keys() - state.keys(), state.keys() - params.keys()
+def _trainable_names(transformer: torch.nn.Module) -> list[str]:
+    return [n for n, p in transformer.named_parameters() if p.requires_grad]
+
+
+def trainable_state(transformer: torch.nn.Module, *, gather: bool = False) -> dict[str, torch.Tensor]:
+    """Name → tensor of the trainable parameters (CPU copies), for checkpoints.
+
+    ``gather=True`` (FSDP, see :func:`gathers_state`): a collective — call it on every rank; rank 0 gets the full
+    tensors, the other ranks an empty dict.
+    """
+    if not gather:
+        return {n: p.detach().cpu().clone() for n, p in transformer.named_parameters() if p.requires_grad}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                      ignore_frozen_params=True))
+    # (clones: on CPU the gathered tensors can share storage that FSDP frees afterwards)
+    return {n: full[n].clone() for n in _trainable_names(transformer)} if full else {}
+
+
+def load_trainable_state(transformer: torch.nn.Module, state: dict[str, torch.Tensor], *, gather: bool = False) -> None:
+    """Copy ``state`` (full tensors, as :func:`trainable_state` returns) into the trainable parameters; with
+    ``gather=True`` each rank keeps its shard of them (a collective: every rank passes the full state)."""
+    names = _trainable_names(transformer)
+    if set(names) != state.keys():
+        missing, extra = set(names) - state.keys(), state.keys() - set(names)
         raise ValueError(f"checkpoint does not match the trainable parameters (missing {sorted(missing)[:3]}, "
                          f"unexpected {sorted(extra)[:3]}): was it written with another model.lora / model.finetune?")
+    if gather:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(transformer, dict(state), options=StateDictOptions(full_state_dict=True, strict=False))
+        return
+    params = dict(transformer.named_parameters())
     with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(state[n])
+        for n in names:
+            params[n].copy_(state[n])
+
+
+def optimizer_state(transformer: torch.nn.Module, optimizer: torch.optim.Optimizer, *, gather: bool = False) -> dict:
+    """The optimizer's state dict. ``gather=True`` (FSDP): a collective; rank 0 gets the full states, keyed by
+    parameter name (``torch.distributed.checkpoint``'s format), the other ranks an empty dict."""
+    if not gather:
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(transformer, inner, options=options)
+
+
+def _rekey_optimizer_state(state: dict, key) -> dict:
+    return {"state": {key[k]: v for k, v in state["state"].items()},
+            "param_groups": [{**g, "params": [key[k] for k in g["params"]]} for g in state["param_groups"]]}
+
+
+def load_optimizer_state(transformer: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict, *,
+                         gather: bool = False) -> None:
+    """Load what :func:`optimizer_state` returned, with or without ``gather``, into this run's optimizer (sharded
+    under FSDP with ``gather=True``: a collective). The optimizer must hold the trainable parameters in
+    ``named_parameters`` order (:func:`prepare_trainable`'s), which maps torch's integer keys to names."""
+    names = _trainable_names(transformer)
+    by_name = any(isinstance(k, str) for g in state["param_groups"] for k in g["params"])
+    if gather:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        if not by_name:
+            state = _rekey_optimizer_state(state, names)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        set_optimizer_state_dict(transformer, inner, state, options=StateDictOptions(full_state_dict=True))
+        return
+    if by_name:
+        state = _rekey_optimizer_state(state, {n: i for i, n in enumerate(names)})
+    optimizer.load_state_dict(state)
 
 
 @contextlib.contextmanager
@@ -111,10 +197,32 @@ class EMA:
                     p.copy_(v)
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "shadow": [s.cpu() for s in self.shadow]}
+        """Full CPU tensors. With FSDP-sharded (DTensor) parameters this gathers: call it on every rank."""
+        return {"decay": self.decay, "shadow": [_full_tensor(s).cpu() for s in self.shadow]}
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["shadow"]) != len(self.shadow):
             raise ValueError("EMA state does not match the trainable parameters")
         self.decay = state["decay"]
-        self.shadow = [s.to(p.device).float() for s, p in zip(state["shadow"], self.params)]
+        self.shadow = [_like(s.to(_local(p).device).float(), p) for s, p in zip(state["shadow"], self.params)]
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``full`` sharded as ``param`` is (every rank holds ``full``: no communication), or ``full`` itself."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    return full

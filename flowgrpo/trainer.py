@@ -472,11 +472,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ 6. checkpoint / resume
     def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs. Under FSDP a collective (full tensors gathered onto rank 0): call it on every
+        rank, as ``save_checkpoint`` does; only rank 0's result is complete."""
+        from .finetune import gathers_state, optimizer_state
+
+        gather = gathers_state(self.acc)
         return {
             "iteration": self.iteration,
             "updates": self.updates,
-            "trainable": trainable_state(self.unwrapped),
-            "optimizer": self.optimizer.state_dict(),
+            "trainable": trainable_state(self.unwrapped, gather=gather),
+            "optimizer": optimizer_state(self.unwrapped, self.optimizer, gather=gather),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "ema": None if self.ema is None else self.ema.state_dict(),
             "algorithm": self.algorithm.state_dict(),
@@ -488,8 +493,12 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_trainable_state(self.unwrapped, state["trainable"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restore ``state_dict()``'s result (under FSDP every rank passes the full state and keeps its shards)."""
+        from .finetune import gathers_state, load_optimizer_state
+
+        gather = gathers_state(self.acc)
+        load_trainable_state(self.unwrapped, state["trainable"], gather=gather)
+        load_optimizer_state(self.unwrapped, self.optimizer, state["optimizer"], gather=gather)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if self.ema is not None and state.get("ema") is not None:
             self.ema.load_state_dict(state["ema"])
@@ -506,20 +515,44 @@ class Trainer:
         self.evals = list(state.get("evals", []))
 
     def save_checkpoint(self) -> Path | None:
-        """Atomic checkpoint of everything needed to resume, plus the LoRA in diffusers format (rank 0 writes)."""
+        """Atomic checkpoint of everything needed to resume, plus the LoRA in diffusers format (rank 0 writes; under
+        FSDP every rank first takes part in gathering the full state)."""
+        from .checkpoint import save_transformer_weights
+        from .finetune import gathers_state
+
+        gather = gathers_state(self.acc)  # raises for DeepSpeed / FSDP1 before anything is written
         self.acc.wait_for_everyone()
         path = None
+        state = self.state_dict() if gather or self.acc.is_main_process else None
         if self.acc.is_main_process:
+            trained = state["trainable"]
             writers = {}
             if self.cfg.model.finetune == "lora":
-                writers["lora"] = lambda d: save_lora_weights(self.adapter.pipe, d, transformer=self.unwrapped)
+                writers["lora"] = lambda d: save_lora_weights(self.adapter.pipe, d, transformer=self.unwrapped,
+                                                              state_dict=trained)
+            elif gather:  # the module's own state dict holds this rank's shards: write the gathered weights
+                writers["transformer"] = lambda d: save_transformer_weights(self.unwrapped, d, trained)
             else:  # the fine-tuned transformer in diffusers format: swap it into the pipeline with from_pretrained
                 writers["transformer"] = lambda d: self.unwrapped.save_pretrained(d, safe_serialization=True)
-            path = self.ckpt.save(self.iteration, self.state_dict(), writers=writers)
+            path = self.ckpt.save(self.iteration, state, writers=writers)
         self.acc.wait_for_everyone()
         return path
 
     def maybe_resume(self) -> bool:
+        from .finetune import gathers_state
+
+        # At start-up: raises for set-ups whose checkpoints would not be complete (DeepSpeed, FSDP1), and under FSDP2
+        # when gradient clipping or the EMA would act on the parameters from before accelerate.prepare sharded them.
+        if gathers_state(self.acc):
+            live = {id(p) for p in self.unwrapped.parameters() if p.requires_grad}
+            users = [u for u, on in (("trainer.max_grad_norm", self.cfg.trainer.max_grad_norm is not None),
+                                     ("trainer.ema", self.ema is not None)) if on]
+            if users and not all(id(p) in live for p in self.params):
+                raise NotImplementedError(
+                    f"FSDP (conf/accelerate/fsdp.yaml): {' and '.join(users)} would use Trainer.params, the parameters "
+                    "from before accelerate.prepare replaced them with sharded ones (clipping would see no gradient, "
+                    "the EMA would never move). Set trainer.max_grad_norm=null and trainer.ema.enabled=false, or "
+                    "re-read the parameters (and build the EMA) after prepare")
         path = self.ckpt.resolve(self.cfg.trainer.resume)
         if path is None:
             return False

@@ -1,0 +1,272 @@
+"""Sharded training on CPU: FSDP2 over 2 gloo processes, through accelerate with conf/accelerate/fsdp.yaml's
+fsdp_config. A checkpoint gathers the full trainable weights and optimizer state onto rank 0 (the EMA's state
+dict gathers too), a resume shards them again, and the diffusers LoRA it writes is the full one. Plus fast checks
+of the guards (DeepSpeed, FSDP1, clipping / EMA on stale parameters) and of the state helpers without a process
+group.
+
+accelerate only selects FSDP for GPU-like devices: ``Accelerator(cpu=True, fsdp_plugin=...)`` silently falls back
+to MULTI_CPU (DDP) and ignores the plugin. The test sets the distributed type to FSDP after constructing the
+Accelerator; from there on everything is accelerate's and torch's own FSDP2 path (``accelerator.prepare`` calls
+``fully_shard`` on a gloo device mesh; the parameters become DTensors sharded across the two ranks).
+What it does not cover: CUDA/NCCL, bf16 mixed precision (the preset's; fp32 here so that resume can be compared
+bit for bit), FSDP1, DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from test_trainer import ALGOS, make_cfg
+
+ROOT = Path(__file__).resolve().parents[1]
+# No gradient clipping and no EMA in the trainer: under FSDP2 both would act on Trainer.params, which still hold the
+# parameters from before accelerate.prepare sharded them, and Trainer.maybe_resume refuses that set-up
+# (test_fsdp_refuses_clipping_and_ema_on_stale_parameters). The EMA's sharded state is checked directly instead.
+_WINDOW = next(o for o in ALGOS["mix_grpo"] if ".window.size=" in o).split(".window.")[0]  # the window's config group
+OVERRIDES = [*ALGOS["mix_grpo"], "trainer.iterations=2", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=5",
+             f"{_WINDOW}.window.shift_interval=1", "trainer.max_grad_norm=null"]
+
+
+def fsdp_plugin_from_preset():
+    """accelerate's FSDP plugin with the fsdp_config of conf/accelerate/fsdp.yaml (what ``accelerate launch`` turns
+    into FSDP_* environment variables, passed as arguments instead)."""
+    from accelerate import FullyShardedDataParallelPlugin
+
+    cfg = yaml.safe_load((ROOT / "conf/accelerate/fsdp.yaml").read_text())["fsdp_config"]
+    rename = {"version": "fsdp_version", "transformer_layer_cls_to_wrap": "transformer_cls_names_to_wrap",
+              "offload_params": "cpu_offload"}
+    kwargs = {rename.get(k[len("fsdp_"):], k[len("fsdp_"):]): v for k, v in cfg.items()}
+    kwargs["auto_wrap_policy"] = kwargs["auto_wrap_policy"].lower()
+    return FullyShardedDataParallelPlugin(**kwargs)
+
+
+def _fsdp_worker(tmp_path):
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+    from torch.distributed.tensor import DTensor
+
+    from flowgrpo.finetune import EMA
+    from flowgrpo.trainer import Trainer
+
+    torch.set_num_threads(1)
+    plugin = fsdp_plugin_from_preset()
+    acc = Accelerator(cpu=True, fsdp_plugin=plugin)
+    assert acc.distributed_type == DistributedType.MULTI_CPU  # accelerate's CPU fallback (see the module docstring)
+    # what AcceleratorState.__init__ does for FSDP on GPUs (both states: a later AcceleratorState() copies
+    # PartialState's distributed type back)
+    PartialState._shared_state["distributed_type"] = acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = plugin
+    assert acc.is_fsdp2
+
+    straight = Trainer(make_cfg(tmp_path / "a", *OVERRIDES), tmp_path / "a", accelerator=acc)
+    lora = [p for n, p in straight.unwrapped.named_parameters() if p.requires_grad]
+    assert all(isinstance(p, DTensor) for p in lora)
+    assert sum(p.to_local().numel() for p in lora) < sum(p.numel() for p in lora)  # really sharded
+    straight.fit()  # checkpoints after iterations 1 and 2
+    resume = f"trainer.resume={tmp_path / 'a/checkpoints/checkpoint-000001'}"
+    resumed = Trainer(make_cfg(tmp_path / "b", *OVERRIDES, resume), tmp_path / "b", accelerator=acc)
+    resumed.fit()  # loads iteration 1 on every rank, runs iteration 2, checkpoints
+    assert resumed.iteration == 2 and acc.is_fsdp2
+
+    # The EMA of sharded parameters: its state dict gathers full tensors, a load shards them again.
+    live = [p for p in resumed.unwrapped.parameters() if p.requires_grad]
+    full = [p.full_tensor() for p in live]
+    state = EMA(live, 0.5).state_dict()
+    assert all(type(s) is torch.Tensor and torch.equal(s, f) for s, f in zip(state["shadow"], full))
+    other = EMA(live, 0.9)
+    with torch.no_grad():
+        for s in other.shadow:
+            s.zero_()
+    other.load_state_dict(state)
+    assert other.decay == 0.5
+    for s, p, f in zip(other.shadow, live, full):
+        assert isinstance(s, DTensor) and s.placements == p.placements and torch.equal(s.full_tensor(), f)
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path / "state.pt", weights_only=True)
+
+
+def _lora(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path / "lora" / "pytorch_lora_weights.safetensors")
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_resumes_exactly_and_saves_the_full_lora(tmp_path):
+    from accelerate import debug_launcher
+
+    from flowgrpo.trainer import Trainer
+
+    debug_launcher(_fsdp_worker, args=(tmp_path,), num_processes=2)
+    a1, a2 = tmp_path / "a/checkpoints/checkpoint-000001", tmp_path / "a/checkpoints/checkpoint-000002"
+    b2 = tmp_path / "b/checkpoints/checkpoint-000002"
+    straight, resumed = _load(a2), _load(b2)
+
+    # Resume = running on, bit for bit: the same weights, Adam moments and window after iteration 2.
+    assert straight["trainable"].keys() == resumed["trainable"].keys()
+    for n, v in straight["trainable"].items():
+        assert torch.equal(v, resumed["trainable"][n]), n
+    for n, s in straight["optimizer"]["state"].items():
+        for k, v in s.items():
+            assert torch.equal(v, resumed["optimizer"]["state"][n][k]), (n, k)
+    assert straight["algorithm"] == resumed["algorithm"]
+    assert straight["history"][-1]["reward/mean"] == resumed["history"][-1]["reward/mean"]
+
+    # The checkpoint is complete (full shapes, every trainable parameter and its Adam state), and the LoRA file
+    # holds those full tensors.
+    one = Trainer(make_cfg(tmp_path / "one", *OVERRIDES, "trainer.iterations=1"), tmp_path / "one")
+    full = {n: p.shape for n, p in one.unwrapped.named_parameters() if p.requires_grad}
+    assert {n: v.shape for n, v in straight["trainable"].items()} == full
+    assert set(straight["optimizer"]["state"]) == set(full)
+    assert all(s["exp_avg"].shape == full[n] for n, s in straight["optimizer"]["state"].items())
+    for ckpt in (a1, a2, b2):
+        state, lora = _load(ckpt), _lora(ckpt)
+        assert len(lora) == len(full)
+        for n, v in state["trainable"].items():
+            assert torch.equal(lora["transformer." + n.replace(".default.", ".")], v), n
+
+    # ...and it is what one unsharded process trains: the first iteration's LoRA against a 1-process run (same
+    # global batch; the split changes only float summation order, magnified by Adam's 1/sqrt(v) as in
+    # tests/test_trainer.py's 2-process test).
+    one.fit()
+    ref = _lora(tmp_path / "one/checkpoints/checkpoint-000001")
+    sharded = _lora(a1)
+    assert ref.keys() == sharded.keys() and all(ref[k].shape == sharded[k].shape for k in ref)
+    init = Trainer(make_cfg(tmp_path / "init", *OVERRIDES), tmp_path / "init")
+    start = {"transformer." + n.replace(".default.", "."): p.detach() for n, p in init.unwrapped.named_parameters()
+             if p.requires_grad}
+    moved = max(float((ref[k] - start[k]).abs().max()) for k in ref)
+    diff = max(float((ref[k] - sharded[k]).abs().max()) for k in ref)
+    assert moved > 1e-2
+    assert diff < 1e-2 * moved, (diff, moved)
+
+
+# ------------------------------------------------------------------------------------- fast: no processes
+
+
+class _FakeAccelerator:
+    def __init__(self, kind, fsdp2=True):
+        from accelerate.utils import DistributedType
+
+        self.distributed_type = DistributedType(kind)
+        self.is_fsdp2 = fsdp2 and kind == "FSDP"
+        self.is_main_process = True
+
+    def wait_for_everyone(self):
+        pass
+
+
+def test_gathers_state_by_distributed_type():
+    from flowgrpo.finetune import gathers_state
+
+    assert not gathers_state(_FakeAccelerator("NO")) and not gathers_state(_FakeAccelerator("MULTI_GPU"))
+    assert gathers_state(_FakeAccelerator("FSDP"))
+    with pytest.raises(NotImplementedError, match="deepspeed_zero2.yaml"):
+        gathers_state(_FakeAccelerator("DEEPSPEED"))
+    with pytest.raises(NotImplementedError, match="FSDP1"):
+        gathers_state(_FakeAccelerator("FSDP", fsdp2=False))
+
+
+def _bare_trainer(tmp_path, kind, **trainer_cfg):
+    """A Trainer shell with just what maybe_resume / save_checkpoint read before they gather or write."""
+    from omegaconf import OmegaConf
+
+    from flowgrpo.checkpoint import CheckpointManager
+    from flowgrpo.trainer import Trainer
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.acc = _FakeAccelerator(kind)
+    trainer.cfg = OmegaConf.create({"trainer": {"resume": None, "max_grad_norm": None, **trainer_cfg},
+                                    "model": {"finetune": "lora"}})
+    trainer.unwrapped = torch.nn.Linear(2, 2)
+    trainer.params = list(trainer.unwrapped.parameters())
+    trainer.ema = None
+    trainer.ckpt = CheckpointManager(tmp_path / "checkpoints")
+    return trainer
+
+
+def test_deepspeed_fails_at_start_up_and_writes_no_checkpoint(tmp_path):
+    trainer = _bare_trainer(tmp_path, "DEEPSPEED")
+    with pytest.raises(NotImplementedError, match="DeepSpeed"):
+        trainer.maybe_resume()
+    with pytest.raises(NotImplementedError, match="DeepSpeed"):
+        trainer.save_checkpoint()
+    assert trainer.ckpt.latest() is None
+
+
+def test_fsdp_refuses_clipping_and_ema_on_stale_parameters(tmp_path):
+    trainer = _bare_trainer(tmp_path, "FSDP", max_grad_norm=1.0)
+    assert trainer.maybe_resume() is False  # the trainer's parameters are the module's: fine
+    trainer.params = [torch.nn.Parameter(p.detach().clone()) for p in trainer.params]  # as before prepare's swap
+    with pytest.raises(NotImplementedError, match="max_grad_norm"):
+        trainer.maybe_resume()
+    trainer.cfg.trainer.max_grad_norm = None
+    assert trainer.maybe_resume() is False  # nothing uses them
+    trainer.ema = object()
+    with pytest.raises(NotImplementedError, match="trainer.ema"):
+        trainer.maybe_resume()
+
+
+def test_optimizer_state_keyed_by_name_loads_into_a_plain_optimizer():
+    """A checkpoint written under FSDP (torch.distributed.checkpoint's name-keyed optimizer state) resumes in a
+    single process, and a plain checkpoint's integer-keyed state converts to names the other way."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from flowgrpo.finetune import _rekey_optimizer_state, load_optimizer_state
+
+    def model_and_optimizer(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        model[0].weight.requires_grad_(False)  # frozen weight between trainable ones, as with LoRA
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        model(torch.randn(5, 3)).square().sum().backward()
+        opt.step()
+        return model, opt
+
+    model, opt = model_and_optimizer(0)
+    by_name = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    assert set(by_name["state"]) == {"0.bias", "1.weight", "1.bias"}
+    fresh_model, fresh = model_and_optimizer(1)
+    load_optimizer_state(fresh_model, fresh, by_name)
+    expected, got = opt.state_dict(), fresh.state_dict()
+    assert expected["param_groups"] == got["param_groups"]
+    for i, s in expected["state"].items():
+        assert all(torch.equal(v, got["state"][i][k]) for k, v in s.items())
+    names = ["0.bias", "1.weight", "1.bias"]
+    assert set(_rekey_optimizer_state(opt.state_dict(), names)["state"]) == set(names)
+
+
+def test_lora_and_transformer_writers_take_gathered_tensors(tmp_path):
+    """The writers of save_checkpoint under FSDP: the LoRA and the full transformer from given full tensors."""
+    from diffusers import SD3Transformer2DModel
+    from safetensors.torch import load_file
+
+    from flowgrpo.checkpoint import save_lora_weights, save_transformer_weights
+    from flowgrpo.finetune import trainable_state
+    from flowgrpo.models import build_tiny_pipeline
+
+    pipe = build_tiny_pipeline("sd3")
+    transformer = pipe.transformer
+    full = {n: torch.randn_like(p) for n, p in transformer.named_parameters()}
+    save_transformer_weights(transformer, tmp_path / "transformer", full)
+    loaded = SD3Transformer2DModel.from_pretrained(tmp_path / "transformer")
+    assert all(torch.equal(p, full[n]) for n, p in loaded.named_parameters())
+    assert all(torch.equal(b, dict(transformer.named_buffers())[n]) for n, b in loaded.named_buffers())
+    with pytest.raises(ValueError, match="no tensor for"):
+        save_transformer_weights(transformer, tmp_path / "partial", dict(list(full.items())[1:]))
+
+    from peft import LoraConfig
+
+    transformer.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q"]))
+    lora = {n: torch.randn_like(v) for n, v in trainable_state(transformer).items()}
+    save_lora_weights(pipe, tmp_path / "lora", state_dict=lora)
+    saved = load_file(tmp_path / "lora" / "pytorch_lora_weights.safetensors")
+    assert saved.keys() == {"transformer." + n.replace(".default.", ".") for n in lora}
+    assert all(torch.equal(saved["transformer." + n.replace(".default.", ".")], v) for n, v in lora.items())
