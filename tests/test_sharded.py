@@ -1,8 +1,9 @@
 """Sharded training on CPU: FSDP2 over 2 gloo processes, through accelerate with conf/accelerate/fsdp.yaml's
-fsdp_config. A checkpoint gathers the full trainable weights and optimizer state onto rank 0 (the EMA's state
-dict gathers too), a resume shards them again, and the diffusers LoRA it writes is the full one. Plus fast checks
-of the guards (DeepSpeed, FSDP1, clipping / EMA on stale parameters) and of the state helpers without a process
-group.
+fsdp_config, with gradient clipping and the EMA on. Clipping and the EMA act on the sharded parameters (the
+clipped gradient norm is the 1-process run's, the EMA moves); a checkpoint gathers the full trainable weights,
+optimizer state and EMA, a resume shards them again and equals running on, and the diffusers LoRA it writes is the
+full one. Plus fast checks of the start-up guards (DeepSpeed, FSDP1) and of the state helpers
+without a process group.
 
 accelerate only selects FSDP for GPU-like devices: ``Accelerator(cpu=True, fsdp_plugin=...)`` silently falls back
 to MULTI_CPU (DDP) and ignores the plugin. The test sets the distributed type to FSDP after constructing the
@@ -23,12 +24,12 @@ import yaml
 from test_trainer import ALGOS, make_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
-# No gradient clipping and no EMA in the trainer: under FSDP2 both would act on Trainer.params, which still hold the
-# parameters from before accelerate.prepare sharded them, and Trainer.maybe_resume refuses that set-up
-# (test_fsdp_refuses_clipping_and_ema_on_stale_parameters). The EMA's sharded state is checked directly instead.
+# Clipping below the gradient norm (~1e-3 here), so that every update is clipped; an EMA that moves visibly per update.
+MAX_GRAD_NORM, EMA_DECAY = 1e-4, 0.5
 _WINDOW = next(o for o in ALGOS["mix_grpo"] if ".window.size=" in o).split(".window.")[0]  # the window's config group
 OVERRIDES = [*ALGOS["mix_grpo"], "trainer.iterations=2", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=5",
-             f"{_WINDOW}.window.shift_interval=1", "trainer.max_grad_norm=null"]
+             f"{_WINDOW}.window.shift_interval=1", f"trainer.max_grad_norm={MAX_GRAD_NORM}",
+             "trainer.ema.enabled=true", f"trainer.ema.decay={EMA_DECAY}"]
 
 
 def fsdp_plugin_from_preset():
@@ -50,7 +51,6 @@ def _fsdp_worker(tmp_path):
     from accelerate.utils import DistributedType
     from torch.distributed.tensor import DTensor
 
-    from flowgrpo.finetune import EMA
     from flowgrpo.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -67,25 +67,21 @@ def _fsdp_worker(tmp_path):
     lora = [p for n, p in straight.unwrapped.named_parameters() if p.requires_grad]
     assert all(isinstance(p, DTensor) for p in lora)
     assert sum(p.to_local().numel() for p in lora) < sum(p.numel() for p in lora)  # really sharded
+    # Clipping and the EMA use the live sharded parameters (the start-up guard in maybe_resume has nothing to refuse;
+    # fit() calls it), and the EMA's shadow is sharded as they are.
+    assert len(straight.params) == len(lora) and all(p is q for p, q in zip(straight.params, lora))
+    assert straight.ema.params is straight.params
+    for s, p in zip(straight.ema.shadow, lora):
+        assert isinstance(s, DTensor) and s.placements == p.placements and s.to_local().shape == p.to_local().shape
     straight.fit()  # checkpoints after iterations 1 and 2
     resume = f"trainer.resume={tmp_path / 'a/checkpoints/checkpoint-000001'}"
     resumed = Trainer(make_cfg(tmp_path / "b", *OVERRIDES, resume), tmp_path / "b", accelerator=acc)
-    resumed.fit()  # loads iteration 1 on every rank, runs iteration 2, checkpoints
+    resumed.fit()  # loads iteration 1 on every rank (the EMA sharded again), runs iteration 2, checkpoints
     assert resumed.iteration == 2 and acc.is_fsdp2
-
-    # The EMA of sharded parameters: its state dict gathers full tensors, a load shards them again.
     live = [p for p in resumed.unwrapped.parameters() if p.requires_grad]
-    full = [p.full_tensor() for p in live]
-    state = EMA(live, 0.5).state_dict()
-    assert all(type(s) is torch.Tensor and torch.equal(s, f) for s, f in zip(state["shadow"], full))
-    other = EMA(live, 0.9)
-    with torch.no_grad():
-        for s in other.shadow:
-            s.zero_()
-    other.load_state_dict(state)
-    assert other.decay == 0.5
-    for s, p, f in zip(other.shadow, live, full):
-        assert isinstance(s, DTensor) and s.placements == p.placements and torch.equal(s.full_tensor(), f)
+    assert all(p is q for p, q in zip(resumed.ema.params, live))
+    for s, p in zip(resumed.ema.shadow, live):
+        assert isinstance(s, DTensor) and s.placements == p.placements
 
 
 def _load(path: Path) -> dict:
@@ -109,43 +105,67 @@ def test_fsdp_checkpoint_resumes_exactly_and_saves_the_full_lora(tmp_path):
     b2 = tmp_path / "b/checkpoints/checkpoint-000002"
     straight, resumed = _load(a2), _load(b2)
 
-    # Resume = running on, bit for bit: the same weights, Adam moments and window after iteration 2.
+    # Resume = running on, bit for bit: the same weights, Adam moments, EMA and window after iteration 2.
     assert straight["trainable"].keys() == resumed["trainable"].keys()
     for n, v in straight["trainable"].items():
         assert torch.equal(v, resumed["trainable"][n]), n
     for n, s in straight["optimizer"]["state"].items():
         for k, v in s.items():
             assert torch.equal(v, resumed["optimizer"]["state"][n][k]), (n, k)
+    assert straight["ema"]["decay"] == resumed["ema"]["decay"] == EMA_DECAY
+    assert len(straight["ema"]["shadow"]) == len(resumed["ema"]["shadow"]) == len(straight["trainable"])
+    assert all(torch.equal(s, r) for s, r in zip(straight["ema"]["shadow"], resumed["ema"]["shadow"]))
     assert straight["algorithm"] == resumed["algorithm"]
-    assert straight["history"][-1]["reward/mean"] == resumed["history"][-1]["reward/mean"]
+    measured = [{k: v for k, v in row.items() if not k.startswith("time/")} for row in straight["history"]]
+    assert measured == [{k: v for k, v in row.items() if not k.startswith("time/")} for row in resumed["history"]]
 
-    # The checkpoint is complete (full shapes, every trainable parameter and its Adam state), and the LoRA file
-    # holds those full tensors.
+    # The checkpoint is complete (full shapes, every trainable parameter, its Adam state and its EMA), and the LoRA
+    # file holds those full tensors.
     one = Trainer(make_cfg(tmp_path / "one", *OVERRIDES, "trainer.iterations=1"), tmp_path / "one")
+    names = [n for n, p in one.unwrapped.named_parameters() if p.requires_grad]
     full = {n: p.shape for n, p in one.unwrapped.named_parameters() if p.requires_grad}
+    start = {n: p.detach().clone() for n, p in one.unwrapped.named_parameters() if p.requires_grad}
     assert {n: v.shape for n, v in straight["trainable"].items()} == full
     assert set(straight["optimizer"]["state"]) == set(full)
     assert all(s["exp_avg"].shape == full[n] for n, s in straight["optimizer"]["state"].items())
+    assert [s.shape for s in straight["ema"]["shadow"]] == [full[n] for n in names]
     for ckpt in (a1, a2, b2):
         state, lora = _load(ckpt), _lora(ckpt)
         assert len(lora) == len(full)
         for n, v in state["trainable"].items():
             assert torch.equal(lora["transformer." + n.replace(".default.", ".")], v), n
 
-    # ...and it is what one unsharded process trains: the first iteration's LoRA against a 1-process run (same
-    # global batch; the split changes only float summation order, magnified by Adam's 1/sqrt(v) as in
-    # tests/test_trainer.py's 2-process test).
+    # Clipping saw the gradients of the sharded parameters (with the parameters from before prepare it would see
+    # none: norm 0) and clipped every update; the EMA followed the weights: one update per iteration, so after
+    # iteration 1 it is lerp(start, weights, 1 - decay), elementwise and so exactly, sharded or not.
+    first = _load(a1)
+    assert first["updates"] == 1
+    norms = [row["train/grad_norm"] for row in straight["history"]]
+    assert len(norms) == 2 and all(g > 5 * MAX_GRAD_NORM for g in norms), norms
+    for n, s in zip(names, first["ema"]["shadow"]):
+        assert torch.equal(s, torch.lerp(start[n], first["trainable"][n], 1 - EMA_DECAY)), n
+    ema_moved = max(float((s - start[n]).abs().max()) for n, s in zip(names, first["ema"]["shadow"]))
+    assert ema_moved > 1e-3, ema_moved
+
+    # ...and it is what one unsharded process trains: the first iteration's gradient norm, LoRA and EMA against a
+    # 1-process run (same global batch; the split changes only float summation order, magnified in the weights by
+    # Adam's 1/sqrt(v) as in tests/test_trainer.py's 2-process test).
     one.fit()
+    one_norm = one.history[0]["train/grad_norm"]
+    assert norms[0] == pytest.approx(one_norm, rel=1e-5), (norms[0], one_norm)
     ref = _lora(tmp_path / "one/checkpoints/checkpoint-000001")
     sharded = _lora(a1)
     assert ref.keys() == sharded.keys() and all(ref[k].shape == sharded[k].shape for k in ref)
-    init = Trainer(make_cfg(tmp_path / "init", *OVERRIDES), tmp_path / "init")
-    start = {"transformer." + n.replace(".default.", "."): p.detach() for n, p in init.unwrapped.named_parameters()
-             if p.requires_grad}
-    moved = max(float((ref[k] - start[k]).abs().max()) for k in ref)
+    key = {n: "transformer." + n.replace(".default.", ".") for n in names}
+    moved = max(float((ref[key[n]] - start[n]).abs().max()) for n in names)
     diff = max(float((ref[k] - sharded[k]).abs().max()) for k in ref)
     assert moved > 1e-2
     assert diff < 1e-2 * moved, (diff, moved)
+    one_ema = _load(tmp_path / "one/checkpoints/checkpoint-000001")["ema"]["shadow"]
+    ema_diff = max(float((o - s).abs().max()) for o, s in zip(one_ema, first["ema"]["shadow"]))
+    assert ema_diff < 1e-2 * ema_moved, (ema_diff, ema_moved)
+    print(f"\nFSDP grad norms {norms} (max_grad_norm {MAX_GRAD_NORM}), 1 process {one_norm}; "
+          f"LoRA moved {moved:.3g}, 2-vs-1 {diff:.3g}; EMA moved {ema_moved:.3g}, 2-vs-1 {ema_diff:.3g}")
 
 
 # ------------------------------------------------------------------------------------- fast: no processes
@@ -201,17 +221,14 @@ def test_deepspeed_fails_at_start_up_and_writes_no_checkpoint(tmp_path):
     assert trainer.ckpt.latest() is None
 
 
-def test_fsdp_refuses_clipping_and_ema_on_stale_parameters(tmp_path):
-    trainer = _bare_trainer(tmp_path, "FSDP", max_grad_norm=1.0)
-    assert trainer.maybe_resume() is False  # the trainer's parameters are the module's: fine
-    trainer.params = [torch.nn.Parameter(p.detach().clone()) for p in trainer.params]  # as before prepare's swap
-    with pytest.raises(NotImplementedError, match="max_grad_norm"):
-        trainer.maybe_resume()
-    trainer.cfg.trainer.max_grad_norm = None
-    assert trainer.maybe_resume() is False  # nothing uses them
-    trainer.ema = object()
-    with pytest.raises(NotImplementedError, match="trainer.ema"):
-        trainer.maybe_resume()
+def test_fsdp_start_up_allows_clipping_and_ema(tmp_path):
+    """Trainer.__init__ re-reads its parameters after accelerate.prepare and builds the EMA on them, so under FSDP
+    clipping and the EMA start up on the module's own parameters (the slow test checks that on really sharded ones)."""
+    from flowgrpo.finetune import EMA
+
+    trainer = _bare_trainer(tmp_path, "FSDP", max_grad_norm=MAX_GRAD_NORM)
+    trainer.ema = EMA(trainer.params, EMA_DECAY)
+    assert trainer.maybe_resume() is False
 
 
 def test_optimizer_state_keyed_by_name_loads_into_a_plain_optimizer():
