@@ -20,7 +20,6 @@ from typing import Any, Iterator
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .algorithms.schedule import build_window, rollout_schedule, sde_steps, trained_step_count
 from .config import validate
 
 __all__ = [
@@ -126,53 +125,26 @@ def model_kwargs(model: DictConfig) -> dict[str, Any]:
 
 @dataclass
 class Sampler:
-    """A ``sampler`` node made concrete: schedules, kernel and (MixGRPO) the window, for ``samplers.rollout``.
+    """A ``sampler`` node made concrete: the schedules, the SDE kernel and the ODE solver.
 
     Attributes:
         sigmas: ``[T+1]`` schedule of training rollouts (the model scheduler's, unless ``sampler.shift`` is set).
         eval_sigmas: ``[T_eval+1]`` schedule of held-out ODE evaluation.
-        sde: ``"all"``, ``"window"`` or ``"none"`` (which steps are stochastic).
-        kernel, noise_level, solver, compress_ratio: as in the config.
-        window: the ``samplers.SDEWindow`` when ``sde="window"`` (stateful: ``advance`` / ``state_dict``).
+        kernel, noise_level, solver: as in the config.
 
-    Which steps are stochastic and on which grid is decided in :mod:`flowgrpo.algorithms.schedule`, which the
-    training algorithms use too. A training run plans its rollouts with ``flowgrpo.algorithms.build_algorithm``
-    — pass ``window=sampler.window`` there so the run has a single window object.
+    Which steps of a rollout are stochastic and trained is the algorithm's plan
+    (``flowgrpo.algorithms.build_algorithm(cfg.algo, cfg.sampler, sampler.sigmas)``).
     """
 
     sigmas: torch.Tensor
     eval_sigmas: torch.Tensor
-    sde: str
     kernel: str
     noise_level: float
     solver: str
-    compress_ratio: float = 1.0
-    window: Any = None
 
     @property
     def num_steps(self) -> int:
         return self.sigmas.shape[0] - 1
-
-    def sde_mask(self) -> torch.Tensor:
-        """Bool ``[T]`` of the stochastic steps now (``flowgrpo.algorithms.schedule.sde_steps``: a CPS step into
-        σ'=0 is always ODE)."""
-        return sde_steps(self.sde, self.sigmas, self.kernel, self.window)
-
-    def schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(sigmas, sde_mask)`` for this iteration's rollout: with ``compress_ratio < 1`` (MixGRPO-Flash) the
-        steps after the window are replaced by a compressed grid (``flowgrpo.algorithms.schedule``)."""
-        return rollout_schedule(self.sigmas, self.sde_mask(), compress_ratio=self.compress_ratio)
-
-    def trained_steps(self, timestep_fraction: float = 1.0) -> int:
-        """Stochastic (hence trainable) steps per rollout, times the trained fraction (at least 1 if any)."""
-        return trained_step_count(int(self.sde_mask().sum()), timestep_fraction)
-
-    def state_dict(self) -> dict:
-        return {"window": self.window.state_dict()} if self.window is not None else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.window is not None and "window" in state:
-            self.window.load_state_dict(state["window"])
 
 
 def build_sampler(sampler: DictConfig, *, adapter=None, model: DictConfig | None = None) -> Sampler:
@@ -192,16 +164,12 @@ def build_sampler(sampler: DictConfig, *, adapter=None, model: DictConfig | None
             return adapter.sigmas(steps, **size).float().cpu()
         return flow_sigmas(steps, 3.0 if sampler.shift is None else sampler.shift)
 
-    window = build_window(sampler)
     return Sampler(
         sigmas=sigmas(sampler.num_steps),
         eval_sigmas=sigmas(sampler.eval_num_steps),
-        sde=sampler.sde,
         kernel=sampler.kernel,
         noise_level=float(sampler.noise_level),
         solver=sampler.solver,
-        compress_ratio=float(sampler.compress_ratio),
-        window=window,
     )
 
 
@@ -436,28 +404,11 @@ class BatchPlan:
         return "\n".join(lines)
 
 
-def _trained_steps(cfg: DictConfig) -> tuple[int, str]:
-    s, a = cfg.sampler, cfg.algo
-    if a.name == "flash_grpo":
-        return 1, "algo=flash_grpo: one SDE step k_p per prompt"
-    if s.sde == "none":
-        return 0, "sampler.sde=none: nothing stochastic to train"
-    if s.sde == "window":
-        n = s.window.size
-        note = f"sampler.window.size={n}"
-    else:
-        n = s.num_steps - (1 if s.kernel == "cps" else 0)
-        note = f"sampler.num_steps={s.num_steps}" + (", CPS's final step is ODE" if s.kernel == "cps" else "")
-    from .algorithms.schedule import trained_step_count
-
-    k = trained_step_count(n, a.timestep_fraction)
-    if a.timestep_fraction < 1:
-        note += f" × algo.timestep_fraction={a.timestep_fraction} ({a.timestep_selection})"
-    return k, note
-
-
-def batch_plan(cfg: DictConfig, num_processes: int = 1) -> BatchPlan:
+def batch_plan(cfg: DictConfig, num_processes: int = 1, trained_steps: tuple[int, str] | None = None) -> BatchPlan:
     """Derive per-process batch sizes from the global ones in ``cfg.trainer`` and assert they divide evenly.
+
+    ``trained_steps`` is the algorithm's ``(K, note)`` (``Algorithm.trained_steps()``): steps each sample trains;
+    omitted, the divisibility is checked alone (before the model and the algorithm are built) and K is 0.
 
     Raises:
         ValueError: a size that does not divide, naming the knob(s) to change.
@@ -490,7 +441,7 @@ def batch_plan(cfg: DictConfig, num_processes: int = 1) -> BatchPlan:
             f"optimizer update must divide the {M} rollouts of an iteration: change trainer.train_batch_size or "
             f"trainer.gradient_accumulation_steps (or trainer.prompts_per_iteration / trainer.group_size)"
         )
-    K, note = _trained_steps(cfg)
+    K, note = trained_steps if trained_steps is not None else (0, "decided by the algorithm")
     updates = t.inner_epochs * M // (B * A)
     return BatchPlan(
         num_processes=P, prompts=N, group_size=G, rollouts=M, rollouts_per_process=m,

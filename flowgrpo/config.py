@@ -20,6 +20,7 @@ Importing this module registers the schemas (idempotent).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -27,13 +28,13 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from samplers import KERNELS, SOLVERS
+
 __all__ = [
     "ModelConfig",
     "LoraConfig",
     "SamplerConfig",
-    "WindowConfig",
     "AlgoConfig",
-    "FlashConfig",
     "RewardConfig",
     "DataConfig",
     "LoggerConfig",
@@ -42,6 +43,7 @@ __all__ = [
     "TrainConfig",
     "GROUP_SCHEMAS",
     "register_configs",
+    "algo_schema",
     "validate",
     "ConfigError",
 ]
@@ -78,7 +80,7 @@ class LoraConfig:
 class ModelConfig:
     """Which pipeline to load and how to run it (``conf/model/*.yaml``)."""
 
-    family: str = _knob(MISSING, choices=("sd3", "flux", "wan"))  # adapter: StableDiffusion3 / Flux / Wan pipeline
+    family: str = MISSING  # adapter family (flowgrpo.models.ADAPTERS): sd3, flux, wan
     pretrained: str = MISSING  # local dir, hub id, or "tiny-random:<family>" for the in-memory test twin
     torch_dtype: str = _knob("float32", choices=DTYPES)  # dtype the frozen weights load in
     vae_dtype: Optional[str] = _knob(None, choices=(None, *DTYPES))  # the decoder's dtype; null = torch_dtype
@@ -100,62 +102,38 @@ class ModelConfig:
 
 
 @dataclass
-class WindowConfig:
-    """MixGRPO's sliding SDE window (arXiv 2507.21802); mirrors ``samplers.SDEWindow``'s arguments."""
-
-    size: int = _knob(4, ge=1)  # w: SDE (and trained) steps per rollout
-    shift_interval: int = _knob(25, ge=1)  # tau: iterations between window moves
-    stride: int = _knob(1, ge=1)  # s: steps the window moves each time
-    schedule: str = _knob("progressive", choices=("progressive", "random", "linear_decay", "exp_decay", "frozen"))
-    start: int = _knob(0, ge=0)  # first window position l
-    seed: int = 0  # RNG of the "random" schedule (saved with the window state)
-    decay_rate: float = _knob(0.1, ge=0)  # k of exp_decay / slope of linear_decay on tau
-    decay_threshold: int = _knob(0, ge=0)  # l_thr: window position where the interval starts decaying
-    min_interval: int = _knob(1, ge=1)  # floor of the decayed interval
-
-
-@dataclass
 class SamplerConfig:
-    """How rollouts integrate noise → data: steps, schedule, which steps are stochastic (``conf/sampler/``)."""
+    """How rollouts integrate noise → data: steps, schedule, the SDE kernel and the ODE solver (``conf/sampler/``).
+
+    Which steps are stochastic is the algorithm's decision (``algo``): every step (Flow-GRPO, DanceGRPO), a
+    sliding window (MixGRPO), one step per prompt (Flash-GRPO) or none (DiffusionNFT). The sampler says how a
+    stochastic step is drawn (``kernel``, ``noise_level``) and how deterministic steps are solved (``solver``).
+    """
 
     name: str = MISSING  # the option's name, for logs
     num_steps: int = _knob(10, ge=1)  # T: sampling steps of a training rollout
     eval_num_steps: int = _knob(40, ge=1)  # ODE steps of held-out evaluation / galleries
     shift: Optional[float] = _knob(None, gt=0)  # override the model's schedule shift; null = the scheduler's own
-    sde: str = _knob("all", choices=("all", "window", "none"))  # stochastic steps: every one, MixGRPO window, none
-    kernel: str = _knob("flow_grpo", choices=("flow_grpo", "dance", "cps"))  # SDE transition (MATH.md)
+    kernel: str = _knob("flow_grpo", choices=tuple(KERNELS))  # SDE transition of the stochastic steps (MATH.md)
     noise_level: float = _knob(0.7, ge=0)  # a (flow_grpo, cps) or eta (dance)
-    solver: str = _knob("euler", choices=("euler", "dpm++2m"))  # ODE solver after the last SDE step
-    compress_ratio: float = _knob(1.0, gt=0, le=1)  # MixGRPO-Flash: keep this fraction of the steps after the window
-    window: WindowConfig = field(default_factory=WindowConfig)  # used when sde=window
+    solver: str = _knob("euler", choices=tuple(SOLVERS))  # ODE solver of the deterministic steps after the last SDE step
 
 
 # ---------------------------------------------------------------------------------------------- algo
 
 
 @dataclass
-class FlashConfig:
-    """Flash-GRPO's iso-temporal single SDE step (arXiv 2605.15980); used by ``algo=flash_grpo``."""
-
-    max_step: Optional[int] = _knob(None, ge=1)  # K: k_p ~ U{0..K-1}; null = first half of the steps
-    rectify: bool = True  # temporal gradient rectification: weight (1/lambda_k)/mean(1/lambda)
-
-
-@dataclass
 class AlgoConfig:
-    """The update rule (``conf/algo/``); the sampler decides which steps are stochastic."""
+    """What every algorithm's config has (``conf/algo/``). Each algorithm extends it with its own schema
+    (``Algorithm.config_class`` in ``flowgrpo/algorithms/<name>.py``), stored as ``algo/base_<name>``; an option
+    file starts from that schema and states only what differs from its defaults."""
 
-    name: str = _knob(MISSING, choices=("grpo", "mix_grpo", "flash_grpo"))  # algorithm module
-    clip_range: float = _knob(1e-4, gt=0)  # PPO epsilon on the per-step ratio (scale depends on logprob_reduction)
-    logprob_reduction: str = _knob("mean", choices=("sum", "mean"))  # sum: exact density; mean: anchors' per-element
+    name: str = MISSING  # a registered algorithm (flowgrpo.algorithms.ALGORITHMS)
     adv_clip: float = _knob(5.0, gt=0)  # clip advantages to [-adv_clip, adv_clip]
     global_std: bool = False  # normalise advantages by the batch std instead of the group's
-    kl_beta: float = _knob(0.0, ge=0)  # weight of KL to the reference (LoRA disabled)
-    timestep_fraction: float = _knob(1.0, gt=0, le=1)  # fraction of the SDE steps trained (DanceGRPO 0.6)
-    timestep_selection: str = _knob("random", choices=("random", "first"))  # which: random per sample, or the noisiest
-    shared_noise: bool = False  # one initial noise per group (DanceGRPO / MixGRPO)
-    cfg_in_training: bool = True  # recompute log-probs with CFG, as the rollout sampled them
-    flash: FlashConfig = field(default_factory=FlashConfig)  # Flash-GRPO only
+    kl_beta: float = _knob(0.0, ge=0)  # weight of the KL / regression term to the reference (LoRA disabled)
+    shared_noise: bool = False  # one initial noise per group
+    cfg_in_training: bool = True  # the trained velocity uses CFG, as the rollout sampled with it
 
 
 # -------------------------------------------------------------------------------------------- reward
@@ -277,7 +255,7 @@ class TrainConfig:
 
     model: ModelConfig = MISSING
     sampler: SamplerConfig = MISSING
-    algo: AlgoConfig = MISSING
+    algo: Any = MISSING  # the schema of the chosen algorithm (AlgoConfig subclass)
     reward: RewardConfig = MISSING
     data: DataConfig = MISSING
     logger: LoggerConfig = MISSING
@@ -296,15 +274,30 @@ GROUP_SCHEMAS: dict[str, type] = {
 
 
 def register_configs() -> ConfigStore:
-    """Store ``base_train`` and ``<group>/base_<group>`` in Hydra's ConfigStore (safe to call again)."""
+    """Store ``base_train``, ``<group>/base_<group>`` and every registered algorithm's schema as
+    ``algo/base_<name>`` in Hydra's ConfigStore (safe to call again)."""
     cs = ConfigStore.instance()
     cs.store(name="base_train", node=TrainConfig)
     for group, schema in GROUP_SCHEMAS.items():
-        cs.store(group=group, name=f"base_{group}", node=schema)
+        if group != "algo":  # an algorithm option extends its own schema, algo/base_<name>
+            cs.store(group=group, name=f"base_{group}", node=schema)
+    base = sys.modules.get("flowgrpo.algorithms.base")
+    for name, cls in getattr(base, "ALGORITHMS", {}).items():
+        cs.store(group="algo", name=f"base_{name}", node=cls.config_class)
     return cs
 
 
-register_configs()
+def algo_schema(name: str) -> type:
+    """The schema of the algorithm registered as ``name``.
+
+    Raises:
+        ConfigError: naming ``algo.name`` and the registered algorithms.
+    """
+    from .algorithms import ALGORITHMS
+
+    if name not in ALGORITHMS:
+        raise ConfigError(f"algo.name={name!r} is not one of {', '.join(sorted(ALGORITHMS))}")
+    return ALGORITHMS[name].config_class
 
 
 # ----------------------------------------------------------------------------------------- validate
@@ -323,7 +316,7 @@ def _check_fields(node: Any, schema: type, errors: list[str]) -> None:
     names = {f.name for f in dataclasses.fields(schema)}
     for key in node.keys():  # Hydra's "+key=value" appends past the schema's struct flag
         if key not in names:
-            errors.append(f"{_full_key(node, key)}: unknown key (not in {schema.__name__}; see flowgrpo/config.py)")
+            errors.append(f"{_full_key(node, key)}: unknown key (not in {schema.__name__}, {schema.__module__})")
     for f in dataclasses.fields(schema):
         if f.name not in node or OmegaConf.is_missing(node, f.name):
             continue  # a MISSING value is reported by OmegaConf itself when it is read
@@ -362,26 +355,11 @@ def _cross_checks(cfg: DictConfig, errors: list[str]) -> None:
     t = cfg.get("trainer")
     if t is not None and len(t.adam_betas) != 2:
         errors.append(f"trainer.adam_betas={list(t.adam_betas)} must hold two values [beta1, beta2]")
-    if s is not None:
-        if s.sde == "window" and s.window.size > s.num_steps:
-            errors.append(f"sampler.window.size={s.window.size} exceeds sampler.num_steps={s.num_steps}")
-        if s.compress_ratio < 1 and s.solver != "dpm++2m":
-            errors.append("sampler.compress_ratio < 1 compresses the post-window steps for DPM-Solver++: "
-                          "set sampler.solver=dpm++2m (or compress_ratio=1.0)")
-        if s.compress_ratio < 1 and s.sde != "window":
-            errors.append("sampler.compress_ratio < 1 applies after the MixGRPO window: needs sampler.sde=window")
     if a is not None and s is not None and not OmegaConf.is_missing(a, "name"):
-        if a.name == "mix_grpo" and s.sde != "window":
-            errors.append(f"algo=mix_grpo trains the MixGRPO window but sampler.sde={s.sde!r}: "
-                          "add algo=grpo (Flow-GRPO / DanceGRPO), or use sampler=mix_sde / mix_sde_flash")
-        if a.name == "grpo" and s.sde != "all":
-            errors.append(f"algo=grpo (Flow-GRPO / DanceGRPO) trains every SDE step of a full-trajectory SDE but "
-                          f"sampler.sde={s.sde!r}: use sampler=sde / dance / cps, or algo=mix_grpo for a window")
-        if a.name in ("grpo", "mix_grpo") and s.sde == "none":
-            errors.append(f"algo={a.name} has nothing to train with sampler.sde='none' (no stochastic step): "
-                          "use sampler=sde / dance / cps / mix_sde, or algo=flash_grpo (it adds its own SDE step)")
-        if a.name == "flash_grpo" and a.flash.max_step is not None and a.flash.max_step > s.num_steps:
-            errors.append(f"algo.flash.max_step={a.flash.max_step} exceeds sampler.num_steps={s.num_steps}")
+        from .algorithms import ALGORITHMS
+
+        if a.name in ALGORITHMS:  # an unknown name is reported by _check_fields
+            errors.extend(ALGORITHMS[a.name].check_config(a, s))
 
 
 def validate(cfg: DictConfig) -> DictConfig:
@@ -398,22 +376,46 @@ def validate(cfg: DictConfig) -> DictConfig:
                 errors.append(f"{key}: unknown top-level key (groups: {', '.join(GROUP_SCHEMAS)})")
         for group in groups:
             if not OmegaConf.is_missing(cfg, group):
-                _check_fields(cfg[group], GROUP_SCHEMAS[group], errors)
+                schema = _algo_schema(cfg[group], errors) if group == "algo" else GROUP_SCHEMAS[group]
+                if schema is not None:
+                    _check_fields(cfg[group], schema, errors)
         _cross_checks(cfg, errors)
     else:  # one group node, e.g. cfg.sampler
-        schema = _schema_of(cfg)
-        if schema is None:
+        schema = _schema_of(cfg, errors)
+        if schema is None and not errors:
             raise TypeError("validate() takes the composed config or one of its group nodes")
-        _check_fields(cfg, schema, errors)
+        if schema is not None:
+            _check_fields(cfg, schema, errors)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     return cfg
 
 
-def _schema_of(node: DictConfig) -> type | None:
-    """The schema of a group node: its structured type, else the schema of the group it sits under."""
+def _algo_schema(node: DictConfig, errors: list[str]) -> type | None:
+    """The schema of an ``algo`` node, from the algorithm registry by ``algo.name``."""
+    if OmegaConf.is_missing(node, "name"):
+        return None
+    try:
+        return algo_schema(node.name)
+    except ConfigError as err:
+        errors.append(str(err))
+        return None
+
+
+def _schema_of(node: DictConfig, errors: list[str]) -> type | None:
+    """The schema of a group node: an algorithm's by its name, else its structured type, else the schema of the
+    group it sits under."""
+    if node._key() == "algo" or isinstance(OmegaConf.get_type(node), type) and issubclass(
+            OmegaConf.get_type(node), AlgoConfig):
+        return _algo_schema(node, errors)
     obj_type = OmegaConf.get_type(node)
     if dataclasses.is_dataclass(obj_type):
         return obj_type
     key = node._key()
     return GROUP_SCHEMAS.get(key) if isinstance(key, str) else None
+
+
+register_configs()
+# Every algorithm module stores its own schema when its class is defined (Algorithm.__init_subclass__); importing
+# the package here makes `import flowgrpo.config` enough for Hydra to compose any algo option.
+from . import algorithms  # noqa: E402,F401

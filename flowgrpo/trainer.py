@@ -4,8 +4,10 @@
 2. **rollout** — G samples per prompt, batched, no grad; latents and exact log-probs recorded.
 3. **score** — decode and run the reward, keeping every component.
 4. **advantage** — group-relative normalisation over the *global* batch (gathered across processes).
-5. **update** — PPO-clip on the recomputed log-probs of the trained transitions (+ KL to the reference),
-   gradient accumulation spanning samples × trained steps, clipping, optimizer, EMA.
+5. **update** — the algorithm's loss (``Algorithm.loss``: PPO-clip on rescored log-probs for the GRPO family) over
+   micro-batches × the steps it planned to train, one gradient accumulation spanning them, clipping, optimizer,
+   EMA. The algorithm reaches the model only through :class:`TrainerContext` (velocity, reference policy, seeded
+   generators).
 6. **log / checkpoint** — scalars, galleries, atomic checkpoints.
 
 Determinism across process counts: every random draw that shapes a sample (its prompt, initial noise, SDE
@@ -16,22 +18,21 @@ global batch, and a resumed run equals one that never stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from samplers import rollout, sde_kl, sde_step
+from samplers import rollout
 
 from .advantages import RewardAggregator, advantage_stats
-from .algorithms import RolloutPlan, build_algorithm
-from .algorithms.losses import ppo_clip_loss, reduce_log_prob
+from .algorithms import Batch, UpdateContext, build_algorithm
 from .build import batch_plan, build_adapter, build_prompts, build_reward, build_sampler, model_kwargs, prompt_pools
 from .checkpoint import CheckpointManager, GracefulStop, capture_rng_state, restore_rng_state, save_lora_weights
 from .evaluation import EvalSamples, held_out_jobs, score_jobs
@@ -39,34 +40,49 @@ from .evaluation import seeded_generator as _gen
 from .finetune import EMA, frozen_reference, load_trainable_state, prepare_trainable, reference_policy, trainable_state
 from .gallery import Gallery
 
-__all__ = ["Trainer", "Batch"]
+__all__ = ["Trainer", "Batch", "TrainerContext"]
 
 # Stream ids: which kind of draw a generator serves (held-out noise: flowgrpo.evaluation.EVAL_STREAM = 5).
-_PROMPTS, _NOISE, _SDE, _ORDER = 1, 2, 3, 4
+_PROMPTS, _NOISE, _SDE, _ORDER, _ALGO = 1, 2, 3, 4, 6
 
 
-@dataclass
-class Batch:
-    """One iteration's rollouts on this process (rows are prompt-major: the G members of a prompt are consecutive)."""
+class TrainerContext(UpdateContext):
+    """The trainer's :class:`~flowgrpo.algorithms.UpdateContext`: the trained transformer (through accelerate's
+    wrapper, with the training guidance and autocast), the reference policy, and generators keyed by the run's seed,
+    the iteration and the inner epoch (set by the trainer before each update)."""
 
-    prompts: list[str]                 # per row
-    metadata: list[dict] | None        # per row
-    global_rows: torch.Tensor          # [n] index of each row in the global batch
-    cond: Any                          # PromptEmbeds, per row
-    plan: RolloutPlan                  # rows of this process
-    latents: torch.Tensor | None = None
-    log_probs: torch.Tensor | None = None
-    images: torch.Tensor | None = None
-    rewards: torch.Tensor | None = None
-    components: dict[str, torch.Tensor] = field(default_factory=dict)
-    advantages: torch.Tensor | None = None
-    global_rewards: torch.Tensor | None = None      # [N·G] gathered from every process
-    global_advantages: torch.Tensor | None = None   # [N·G]
-    nfe: int = 0                                    # sample-steps of velocity evaluations on this process
+    def __init__(self, trainer: "Trainer"):
+        self._trainer = trainer
+        self.iteration = 0
+        self.epoch = 0
+        self._module = None  # None: the adapter's own (wrapped) transformer
 
+    def velocity(self, x, sigma, cond):
+        t = self._trainer
+        guidance = t.model_kw["guidance"] if t.algorithm.cfg_in_training else {"guidance_scale": 1.0}
+        with t.acc.autocast():
+            return t.adapter.velocity(x, sigma, cond, transformer=self._module, **guidance)
 
-def _subset_plan(plan: RolloutPlan, rows: torch.Tensor) -> RolloutPlan:
-    return replace(plan, sde_mask=plan.sde_mask[rows], train_mask=plan.train_mask[rows])
+    @contextlib.contextmanager
+    def reference(self):
+        t = self._trainer
+        with reference_policy(t.unwrapped, t.ref_copy) as ref:
+            saved, self._module = self._module, ref
+            try:
+                yield
+            finally:
+                self._module = saved
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return self._trainer.params
+
+    @property
+    def updates(self) -> int:
+        return self._trainer.updates
+
+    def generator(self, *keys: int) -> torch.Generator:
+        return _gen(self._trainer.cfg.trainer.seed, _ALGO, self.iteration, self.epoch, *keys)
 
 
 class Trainer:
@@ -87,7 +103,7 @@ class Trainer:
         self.out = Path(output_dir)
         self.acc = accelerator or Accelerator(mixed_precision=t.mixed_precision, cpu=not torch.cuda.is_available())
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
-        self.batch = batch_plan(cfg, self.world)
+        batch_plan(cfg, self.world)  # divisibility, before the model loads; K comes from the algorithm below
         self.device = self.acc.device
         # Same global RNG on every process and in every run: LoRA initialisation draws from it.
         set_seed(t.seed)
@@ -103,18 +119,24 @@ class Trainer:
         self.unwrapped = self.adapter.pipe.transformer
         self.params = prepare_trainable(self.unwrapped, cfg.model)
         self.ref_copy = frozen_reference(self.unwrapped) if cfg.model.finetune == "full" and cfg.algo.kl_beta > 0 else None
+
+        # Sampler schedules and the algorithm (it decides the trained steps per sample, K).
+        self.sampler = build_sampler(cfg.sampler, adapter=self.adapter, model=cfg.model)
+        self.algorithm = build_algorithm(cfg.algo, cfg.sampler, self.sampler.sigmas)
+        self.batch = batch_plan(cfg, self.world, trained_steps=self.algorithm.trained_steps())
+        self.policy = TrainerContext(self)
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
                                            weight_decay=t.weight_decay)
         self.lr_scheduler = self._lr_scheduler()
-        self.ema = EMA(self.params, t.ema.decay) if t.ema.enabled else None
         # accumulation spans samples × trained steps: one optimizer update per A micro-batches × K steps
         self.acc.gradient_accumulation_steps = self.batch.accumulation * max(1, self.batch.trained_steps)
         wrapped, self.optimizer = self.acc.prepare(self.unwrapped, self.optimizer)
         self.adapter.transformer = wrapped
+        # FSDP2 replaces the trained parameters with sharded ones: clipping, the EMA and the algorithms use these
+        self.params = [p for p in self.unwrapped.parameters() if p.requires_grad]
+        self.ema = EMA(self.params, t.ema.decay) if t.ema.enabled else None
 
-        # Sampler schedules, algorithm, reward, prompts.
-        self.sampler = build_sampler(cfg.sampler, adapter=self.adapter, model=cfg.model)
-        self.algorithm = build_algorithm(cfg.algo, cfg.sampler, self.sampler.sigmas, window=self.sampler.window)
+        # Reward, prompts.
         self.reward = build_reward(cfg.reward)
         self.aggregator = None
         if cfg.reward.aggregate.name != "sum":
@@ -214,11 +236,17 @@ class Trainer:
         prompts = [p for p in local.prompts for _ in range(G)]
         metadata = None if local.metadata is None else [m for m in local.metadata for _ in range(G)]
         cond = self._encode(local.prompts).repeat_interleave(G)
-        return Batch(prompts=prompts, metadata=metadata, global_rows=rows, cond=cond, plan=_subset_plan(plan, rows))
+        return Batch(prompts=prompts, metadata=metadata, global_rows=rows, cond=cond, plan=plan.subset(rows))
 
     # ------------------------------------------------------------------ 2. rollout
-    @torch.no_grad()
     def rollout(self, batch: Batch, iteration: int) -> Batch:
+        """Sample the batch's trajectories with the weights the algorithm samples from
+        (``Algorithm.sampling_policy``: the trained ones for the GRPO family)."""
+        with self.algorithm.sampling_policy(self.policy):
+            return self._sample(batch, iteration)
+
+    @torch.no_grad()
+    def _sample(self, batch: Batch, iteration: int) -> Batch:
         """Sample the batch's trajectories in chunks of the rollout batch size.
 
         When a group shares its initial noise (``algo.shared_noise``), its members are identical up to their first
@@ -227,7 +255,7 @@ class Trainer:
         t, G = self.cfg.trainer, self.cfg.trainer.group_size
         plan = batch.plan
         n = len(batch.prompts)
-        shared = bool(self.cfg.algo.shared_noise)
+        shared = bool(self.algorithm.shared_noise)
         group_ids = (batch.global_rows // G)[::G].tolist()
         noise = self._noise(len(group_ids), group_ids, G, shared, (t.seed, _NOISE, iteration))
         sde_gens = [_gen(t.seed, _SDE, iteration, int(r)) for r in batch.global_rows]
@@ -312,36 +340,37 @@ class Trainer:
         return batch
 
     # ------------------------------------------------------------------ 5. update
-    def _transitions(self, batch: Batch, iteration: int, epoch: int) -> torch.Tensor:
-        """``[n, K]`` trained step indices per row, each row's order shuffled by its own seeded generator."""
-        mask = batch.plan.train_mask
-        counts = mask.sum(1)
-        if counts.numel() and not torch.all(counts == counts[0]):
-            raise RuntimeError("every row must train the same number of steps (the plans guarantee it)")
+    def transitions(self, batch: Batch, iteration: int, epoch: int) -> torch.Tensor:
+        """``[n, K]`` trained step indices per row (the plan's ``train_mask``), each row's order shuffled by its own
+        seeded generator: the order the update visits them in."""
+        mask = batch.plan.train_mask.flatten(1)  # a chunk axis: steps are flat indices c·T' + i
         steps = torch.stack([row.nonzero().squeeze(1) for row in mask]) if len(mask) else torch.zeros(0, 0, dtype=torch.long)
         order = torch.stack([torch.randperm(steps.shape[1], generator=_gen(self.cfg.trainer.seed, _ORDER, iteration, epoch, int(r)))
                              for r in batch.global_rows])
         return torch.gather(steps, 1, order)
 
     def update(self, batch: Batch, iteration: int) -> dict[str, float]:
-        """PPO-clip over the trained transitions; one ``accelerate.accumulate`` spans micro-batches × trained steps."""
-        cfg, t = self.cfg, self.cfg.trainer
-        algo = cfg.algo
-        guidance = self.model_kw["guidance"] if algo.cfg_in_training else {"guidance_scale": 1.0}
+        """The algorithm's loss over micro-batches × trained steps; one ``accelerate.accumulate`` spans them."""
+        t = self.cfg.trainer
         micro = self.batch.train_micro_batch
         n = len(batch.prompts)
-        numel = batch.latents[0, 0].numel()
+        if batch.plan.trained_per_row != self.batch.trained_steps:
+            raise RuntimeError(f"the plan trains {batch.plan.trained_per_row} steps per sample but the algorithm "
+                               f"announced {self.batch.trained_steps} (Algorithm.trained_steps and plan disagree)")
         stats: dict[str, list[float]] = {}
         self.adapter.transformer.train()
+        self.policy.iteration = iteration
         for epoch in range(t.inner_epochs):
-            steps = self._transitions(batch, iteration, epoch)
+            self.policy.epoch = epoch
+            steps = self.transitions(batch, iteration, epoch)
             for start in range(0, n, micro):
                 rows = torch.arange(start, min(start + micro, n))
                 for j in range(steps.shape[1]):
                     s = steps[rows, j]
                     with self.acc.accumulate(self.adapter.transformer):
-                        loss, info = self._loss(batch, rows, s, guidance, numel)
+                        loss, info = self.algorithm.loss(self.policy, batch, rows, s)
                         self.acc.backward(loss)
+                        info = {k: float(v) for k, v in info.items()}
                         if self.acc.sync_gradients:
                             info["grad_norm"] = self._clip()
                         self.optimizer.step()
@@ -351,8 +380,9 @@ class Trainer:
                             self.updates += 1
                             if self.ema is not None and self.updates % t.ema.update_every == 0:
                                 self.ema.update()
+                    info["loss"] = float(loss.detach())
                     for k, v in info.items():
-                        stats.setdefault(k, []).append(float(v))
+                        stats.setdefault(k, []).append(v)
         self.adapter.transformer.eval()
         out = {f"train/{k}": sum(v) / len(v) for k, v in stats.items()}
         out["train/lr"] = self.lr_scheduler.get_last_lr()[0]
@@ -362,61 +392,6 @@ class Trainer:
         max_norm = self.cfg.trainer.max_grad_norm
         norm = self.acc.clip_grad_norm_(self.params, max_norm if max_norm is not None else float("inf"))
         return float(norm)
-
-    def _log_prob(self, batch: Batch, rows: torch.Tensor, s: torch.Tensor, guidance: dict):
-        """Recompute the exact log π of the stored transitions ``latents[rows, s] → latents[rows, s+1]`` with the
-        current weights (the same ``sde_step`` that sampled them). Returns ``(StepOutput, velocity)``."""
-        plan = batch.plan
-        x = batch.latents[rows, s]
-        sigma, sigma_next = plan.sigmas[s].to(x.device), plan.sigmas[s + 1].to(x.device)
-        with self.acc.autocast():
-            v = self.adapter.velocity(x, sigma, batch.cond[rows], **guidance)
-        out = sde_step(v, x, sigma, sigma_next, kernel=plan.kernel, noise_level=plan.noise_level,
-                       prev_sample=batch.latents[rows, s + 1])
-        return out, v
-
-    @torch.no_grad()
-    def recompute_log_probs(self, batch: Batch) -> torch.Tensor:
-        """``[n, T]`` training-time log-probs of every trained transition (0 elsewhere), in micro-batches as the
-        update runs them. With unchanged weights they equal ``batch.log_probs`` (the consistency check)."""
-        guidance = self.model_kw["guidance"] if self.cfg.algo.cfg_in_training else {"guidance_scale": 1.0}
-        out = torch.zeros_like(batch.log_probs)
-        steps = self._transitions(batch, self.iteration, 0)
-        micro = self.batch.train_micro_batch
-        for start in range(0, len(batch.prompts), micro):
-            rows = torch.arange(start, min(start + micro, len(batch.prompts)))
-            for j in range(steps.shape[1]):
-                s = steps[rows, j]
-                out[rows, s] = self._log_prob(batch, rows, s, guidance)[0].log_prob
-        return out
-
-    def _loss(self, batch: Batch, rows: torch.Tensor, s: torch.Tensor, guidance: dict, numel: int):
-        cfg = self.cfg.algo
-        plan = batch.plan
-        step, v = self._log_prob(batch, rows, s, guidance)
-        x = batch.latents[rows, s]
-        sigma, sigma_next = plan.sigmas[s].to(x.device), plan.sigmas[s + 1].to(x.device)
-        cond = batch.cond[rows]
-        log_prob = reduce_log_prob(step.log_prob, numel, cfg.logprob_reduction)
-        old = reduce_log_prob(batch.log_probs[rows, s], numel, cfg.logprob_reduction)
-        weights = self.algorithm.loss_weights(plan, rows, s).to(x.device)
-        loss, info = ppo_clip_loss(log_prob, old, batch.advantages[rows], clip_range=cfg.clip_range, weights=weights)
-        info = {k: float(val) for k, val in info.items()}
-        info["policy_loss"] = float(loss.detach())
-        if cfg.kl_beta > 0:
-            with torch.no_grad(), reference_policy(self.unwrapped, self.ref_copy) as ref, self.acc.autocast():
-                saved = self.adapter.transformer
-                self.adapter.transformer = ref
-                try:
-                    v_ref = self.adapter.velocity(x, sigma, cond, **guidance)
-                finally:
-                    self.adapter.transformer = saved
-            kl = sde_kl(v, v_ref, sigma, sigma_next, kernel=plan.kernel, noise_level=plan.noise_level)
-            if cfg.logprob_reduction == "mean":
-                kl = kl / numel
-            loss = loss + cfg.kl_beta * kl.mean()
-            info["kl"] = float(kl.mean().detach())
-        return loss, info
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -580,7 +555,7 @@ class Trainer:
         batch = timed("advantage", self.advantage, batch)
         self._check_stop("score")
         train = timed("update", self.update, batch, it)
-        self.algorithm.end_iteration()
+        self.algorithm.end_iteration(self.policy)
         self.iteration += 1
         self._last_batch = batch
         scalars = self._scalars(batch, train, timings)

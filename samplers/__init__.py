@@ -1,11 +1,11 @@
 """Flow-matching samplers with exact log-probabilities. Pure torch: imports nothing else of the project.
 
 Public contracts (DESIGN.md): :func:`flow_sigmas`, :class:`StepOutput`, :func:`sde_step`, :func:`ode_step`,
-:func:`rollout` / :class:`Trajectory`; plus MixGRPO's :class:`SDEWindow` and Flash-GRPO's :func:`flash_plan`.
+:func:`rollout` / :class:`Trajectory`, stateful chunk-by-chunk generation :func:`chunked_rollout`; plus MixGRPO's :class:`SDEWindow` and Flash-GRPO's :func:`flash_plan`.
 """
 
 from .flash import flash_plan, rectification_weights, single_step_mask
-from .rollout import SOLVERS, Trajectory, rollout
+from .rollout import SOLVERS, ChunkedTrajectory, Trajectory, chunked_rollout, rollout
 from .schedules import flow_sigmas, shift_sigmas, time_shift_exponential
 from .solvers import dpm_solver_2m_step
 from .steps import KERNELS, StepOutput, kernel_lambda, kernel_std, ode_step, randn, sde_kl, sde_step
@@ -13,9 +13,9 @@ from .window import WINDOW_SCHEDULES, SDEWindow, compress_tail
 
 __all__ = [
     "KERNELS", "SOLVERS", "WINDOW_SCHEDULES",
-    "StepOutput", "Trajectory", "SDEWindow",
+    "StepOutput", "Trajectory", "ChunkedTrajectory", "SDEWindow",
     "flow_sigmas", "shift_sigmas", "time_shift_exponential",
     "sde_step", "ode_step", "kernel_std", "kernel_lambda", "sde_kl", "randn",
-    "rollout", "dpm_solver_2m_step",
+    "rollout", "chunked_rollout", "dpm_solver_2m_step",
     "compress_tail", "flash_plan", "single_step_mask", "rectification_weights",
 ]

@@ -4,14 +4,14 @@ recording every state and the exact log-probability of every stochastic transiti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .solvers import dpm_solver_2m_step
 from .steps import ode_step, sde_step
 
-__all__ = ["Trajectory", "rollout", "SOLVERS"]
+__all__ = ["Trajectory", "ChunkedTrajectory", "rollout", "chunked_rollout", "SOLVERS"]
 
 SOLVERS = ("euler", "dpm++2m")
 VelocityFn = Callable[[torch.Tensor, float], torch.Tensor]
@@ -134,3 +134,86 @@ def rollout(
 
 def _rows(row_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return row_mask.view(-1, *([1] * (like.ndim - 1)))
+
+
+@dataclass
+class ChunkedTrajectory:
+    """What a chunk-by-chunk (streaming) rollout records.
+
+    Attributes:
+        latents: ``[B, C, T+1, ...]``: every state of every chunk; ``latents[:, c, i]`` is chunk ``c`` at ``sigmas[i]``.
+        log_probs: ``[B, C, T]`` exact log π of each SDE transition (0 on ODE steps).
+        sde_mask: ``[B, C, T]`` bool.
+        sigmas: ``[T+1]`` the schedule each chunk was integrated on.
+        conds: ``C`` conditionings: ``conds[c]`` is what chunk ``c`` was denoised under (``conds[0]`` the initial one,
+            then each one written by ``commit_fn`` after the chunk before). With these the update rescores any
+            transition ``(b, c, i)`` exactly: ``velocity_fn(latents[b, c, i], sigmas[i], conds[c][b])``.
+        nfe: velocity calls per sample (``C · T``).
+    """
+
+    latents: torch.Tensor
+    log_probs: torch.Tensor
+    sde_mask: torch.Tensor
+    sigmas: torch.Tensor
+    conds: list[Any]
+    nfe: int
+
+    @property
+    def final(self) -> torch.Tensor:
+        """The clean chunks ``[B, C, ...]``."""
+        return self.latents[:, :, -1]
+
+
+@torch.no_grad()
+def chunked_rollout(
+    velocity_fn: Callable[[torch.Tensor, float, Any], torch.Tensor],
+    commit_fn: Callable[[torch.Tensor, Any], Any],
+    noise: torch.Tensor,
+    sigmas: torch.Tensor | Sequence[float],
+    sde_mask: torch.Tensor | Sequence[bool],
+    *,
+    cond: Any,
+    kernel: str = "flow_grpo",
+    noise_level: float = 0.7,
+    solver: str = "euler",
+    generator: torch.Generator | list[torch.Generator] | None = None,
+) -> ChunkedTrajectory:
+    """Stateful generation chunk by chunk (a streaming video model with a KV cache), no grad.
+
+    Chunk ``c`` is integrated from ``noise[:, c]`` over ``sigmas`` by :func:`rollout` with
+    ``velocity_fn(x, sigma, cond_c)``; then ``commit_fn(x0_c, cond_c) -> cond_{c+1}`` writes its clean result into the
+    model state (a separate no-grad pass, as a KV-cache write should be) for the chunks after it.
+
+    Args:
+        velocity_fn: ``velocity_fn(x, sigma, cond) -> v``.
+        commit_fn: ``commit_fn(x0, cond) -> cond'``: the conditioning of the next chunk. It must not modify ``cond``
+            in place: every chunk's conditioning is kept for rescoring.
+        noise: ``[B, C, ...]`` initial noise of every chunk.
+        sigmas: ``[T+1]`` schedule of each chunk.
+        sde_mask: bool ``[T]``, ``[C, T]`` or ``[B, C, T]``.
+        cond: the conditioning of the first chunk (indexable by rows, like the adapters' ``PromptEmbeds``).
+        kernel, noise_level, solver, generator: as :func:`rollout`; per-sample generators continue from chunk to
+            chunk.
+    """
+    batch, chunks = noise.shape[:2]
+    sigmas = torch.as_tensor(sigmas, dtype=torch.float32).cpu()
+    steps = sigmas.shape[0] - 1
+    mask = torch.as_tensor(sde_mask, dtype=torch.bool, device=noise.device)
+    if mask.ndim == 1:
+        mask = mask.expand(chunks, steps)
+    if mask.ndim == 2:
+        mask = mask.unsqueeze(0).expand(batch, chunks, steps)
+    if mask.shape != (batch, chunks, steps):
+        raise ValueError(f"sde_mask must be [T], [C, T] or [B, C, T] = ({batch}, {chunks}, {steps}), "
+                         f"got {tuple(mask.shape)}")
+    latents, log_probs, conds = [], [], []
+    for c in range(chunks):
+        conds.append(cond)
+        traj = rollout(lambda x, sigma, cond=cond: velocity_fn(x, sigma, cond), noise[:, c], sigmas, mask[:, c],
+                       kernel=kernel, noise_level=noise_level, solver=solver, generator=generator)
+        latents.append(traj.latents)
+        log_probs.append(traj.log_probs)
+        if c + 1 < chunks:
+            cond = commit_fn(traj.final, cond)
+    return ChunkedTrajectory(latents=torch.stack(latents, dim=1), log_probs=torch.stack(log_probs, dim=1),
+                             sde_mask=mask, sigmas=sigmas, conds=conds, nfe=chunks * steps)

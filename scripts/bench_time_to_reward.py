@@ -29,13 +29,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
-from bench_iteration import ALGORITHMS, compose, pool_results  # noqa: E402
+from bench_iteration import ALGORITHMS, compose, pool_results, scoped  # noqa: E402
 
-# the five algorithms at their default configs (bench_iteration's "mix_grpo_late" is a timing layout, not a
-# training recipe; its "flow_grpo" pins every step trained, the cost the papers pay, where Flow-GRPO's default on the
-# embedded world trains the first 3 steps: conf/method_defaults/sd3_shapes_grpo_sde.yaml)
+# the algorithms at their embedded-world recipes (bench_iteration's "mix_grpo_late" is a timing layout, not a
+# training recipe; its "flow_grpo" pins every step trained, the cost the papers pay, where Flow-GRPO's recipe on the
+# embedded world, experiment=flow_grpo_shapes, trains the first 3 steps). The experiment presets cannot be used
+# directly: they also pin the model and the reward, which would override --model / --reward.
 RECIPES = {name: overrides for name, overrides in ALGORITHMS.items() if name != "mix_grpo_late"}
-RECIPES["flow_grpo"] = ["algo=grpo", "sampler=sde"]
+RECIPES["flow_grpo"] = ["algo=grpo", "sampler=sde", "algo.timestep_fraction=0.3", "algo.timestep_selection=first"]
 RECIPES["dance_grpo"] = [*ALGORITHMS["dance_grpo"], "algo.shared_noise=true", "algo.kl_beta=0"]  # experiment=dance_grpo_shapes
 TRAINING = list(RECIPES)
 
@@ -45,7 +46,7 @@ def run(algorithm: str, seed: int, args, out_dir: Path) -> dict:
 
     cfg = compose([f"model={args.model}", f"reward={args.reward}", "logger=none", f"trainer.seed={seed}",
                    f"trainer.iterations={args.max_iterations}", "trainer.eval_every=0", "trainer.gallery_every=0",
-                   "trainer.checkpoint_every=0", f"trainer.output_dir={out_dir}", *RECIPES[algorithm], *args.set])
+                   "trainer.checkpoint_every=0", f"trainer.output_dir={out_dir}", *RECIPES[algorithm], *scoped(args.set, RECIPES[algorithm])])
     trainer = Trainer(cfg, out_dir)
     curve = [{"iteration": 0, "seconds": 0.0, "value": trainer.evaluate()[args.metric]}]
     clock = 0.0
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--algorithms", default=",".join(TRAINING), help="comma-separated subset")
     parser.add_argument("--max-iterations", type=int, default=40, help="give up after this many iterations")
     parser.add_argument("--eval-every", type=int, default=5, help="iterations between held-out evaluations")
-    parser.add_argument("--set", action="append", default=[], help="extra Hydra override (repeatable)")
+    parser.add_argument("--set", action="append", default=[],
+                        help="extra Hydra override (repeatable); ALGO:key=value applies to runs of algo=ALGO only")
     parser.add_argument("--out", type=Path, default=Path("time_to_reward.json"), help="JSON path (PNG beside it)")
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads per run (default: cores / jobs)")

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
-from bench_iteration import ALGORITHMS, compose, emit  # noqa: E402  (same algorithm presets, same composition)
+from bench_iteration import ALGORITHMS, compose, emit, scoped  # noqa: E402  (same algorithm presets, same composition)
 
 MODELS = {
     # name: (conf/model option, overrides at realistic size)
@@ -41,9 +41,9 @@ MODELS = {
 }
 TINY = {
     "sd35_medium": ("tiny_sd3", ["trainer.prompts_per_iteration=2", "trainer.group_size=2", "trainer.train_batch_size=4",
-                                 "trainer.gradient_accumulation_steps=1", "sampler.num_steps=4", "sampler.window.size=2"]),
+                                 "trainer.gradient_accumulation_steps=1", "sampler.num_steps=4", "mix_grpo:algo.window.size=2"]),
     "wan21_1_3b": ("tiny_wan", ["trainer.prompts_per_iteration=1", "trainer.group_size=2", "trainer.train_batch_size=2",
-                                "trainer.gradient_accumulation_steps=1", "sampler.num_steps=4", "sampler.window.size=2"]),
+                                "trainer.gradient_accumulation_steps=1", "sampler.num_steps=4", "mix_grpo:algo.window.size=2"]),
 }
 
 
@@ -107,7 +107,8 @@ def check(model: str, algorithm: str, iterations: int, warmup: int, tiny: bool, 
     reward = "video_flicker" if model.startswith("wan") else "jpeg_compressibility"  # weight-free, cheap
     cfg = compose([f"model={option}", f"reward={reward}", "logger=none", "trainer.iterations=1000",
                    "trainer.eval_before=false", "trainer.eval_every=0", "trainer.gallery_every=0",
-                   f"trainer.output_dir={out_dir}", *overrides, *ALGORITHMS[algorithm], *extra])
+                   f"trainer.output_dir={out_dir}", *scoped(overrides, ALGORITHMS[algorithm]), *ALGORITHMS[algorithm],
+                   *scoped(extra, ALGORITHMS[algorithm])])
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg, out_dir)

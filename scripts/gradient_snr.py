@@ -5,8 +5,8 @@
     python scripts/gradient_snr.py --set reward=jpeg_compressibility       # a dense reward, for comparison
 
 The trainer's plan for one iteration (same prompts) is rolled out ``--batches`` times with independent noise
-(initial and SDE), scored, normalised, and the PPO loss of the trained transitions is back-propagated exactly
-as phase 5 does (ratio 1: the pure policy gradient) into the trainable weights. For independent estimates
+(initial and SDE), scored, normalised, and the algorithm's loss of the trained steps is back-propagated exactly
+as phase 5 does (for the GRPO family ratio 1: the pure policy gradient) into the trainable weights. For independent estimates
 ``g_k = s + n_k`` of the expected gradient ``s``, the mean pairwise cosine estimates ``|s|² / (|s|² + E|n|²)``:
 near 0 means one batch's update is almost all noise, and reaching a signal-to-noise ratio of 1 needs about
 ``1 / cosine`` such batches (``batches_for_snr_1``; null unless the mean exceeds twice its jackknife standard
@@ -39,14 +39,13 @@ def policy_gradient(trainer, noise_iteration: int, plan_iteration: int = 0) -> t
     batch = trainer.advantage(trainer.score(trainer.rollout(batch, noise_iteration)))
     for p in trainer.params:
         p.grad = None
-    guidance = trainer.model_kw["guidance"] if trainer.cfg.algo.cfg_in_training else {"guidance_scale": 1.0}
-    steps = trainer._transitions(batch, plan_iteration, 0)
-    numel = batch.latents[0, 0].numel()
+    steps = trainer.transitions(batch, plan_iteration, 0)
     micro = trainer.batch.train_micro_batch
+    trainer.policy.iteration, trainer.policy.epoch = plan_iteration, 0
     for start in range(0, len(batch.prompts), micro):
         rows = torch.arange(start, min(start + micro, len(batch.prompts)))
         for j in range(steps.shape[1]):
-            loss, _ = trainer._loss(batch, rows, steps[rows, j], guidance, numel)
+            loss, _ = trainer.algorithm.loss(trainer.policy, batch, rows, steps[rows, j])
             loss.backward()
     return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel()) for p in trainer.params])
 

@@ -10,12 +10,16 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from flowgrpo.advantages import advantage_stats, group_advantages, weighted_advantages
-from flowgrpo.algorithms import (FlashGRPO, GRPO, MixGRPO, RolloutPlan, build_algorithm, ppo_clip_loss,
+from flowgrpo.algorithms import (ALGORITHMS, FlashGRPO, GRPO, MixGRPO, RolloutPlan, build_algorithm, ppo_clip_loss,
                                  reduce_log_prob)
+from flowgrpo.algorithms.grpo import GRPOConfig
+from flowgrpo.algorithms.mix_grpo import default_window_size
 from flowgrpo.build import REPO_ROOT, batch_plan, build_sampler
-from flowgrpo.config import ConfigError
+from flowgrpo.config import ConfigError, validate
 from samplers import (SDEWindow, compress_tail, flow_sigmas, kernel_lambda, rectification_weights, rollout,
                       sde_step)
 
@@ -202,7 +206,7 @@ def test_grpo_timestep_fraction_random_subset_per_sample():
     assert len({tuple(r.tolist()) for r in plan.train_mask}) > 1  # drawn per sample
     again = algo.plan(4, 4, generator=gen(1))
     assert torch.equal(again.train_mask, plan.train_mask)  # reproducible from the generator
-    first = GRPO(SIGMAS10, timestep_fraction=0.5, selection="first").plan(1, 2)
+    first = GRPO(SIGMAS10, timestep_fraction=0.5, timestep_selection="first").plan(1, 2)
     assert first.train_mask.tolist() == [[True] * 5 + [False] * 5] * 2  # Flow-GRPO's first steps
     cps = GRPO(SIGMAS10, kernel="cps", timestep_fraction=0.5).plan(8, 2, generator=gen(2))
     assert cps.train_mask.sum(1).tolist() == [4] * 16 and not cps.train_mask[:, -1].any()  # int(9 * 0.5)
@@ -245,8 +249,9 @@ def test_mix_grpo_flash_compresses_the_tail_and_shares_the_prefix():
     assert plan.num_steps == 6 + 7 and torch.equal(plan.sigmas[:7], base[:7])
     assert plan.first_sde_step().tolist() == [2] * 6 and plan.shared_prefix().tolist() == [2, 2]
     assert torch.equal(plan.train_mask, plan.sde_mask)
-    with pytest.raises(ValueError, match="sampler.solver=dpm"):
-        MixGRPO(base, window=SDEWindow(25), compress_ratio=0.4)
+    # with the sampler's Euler the compressed tail is solved by Euler (coarser, but what the user asked for)
+    euler = MixGRPO(base, window=SDEWindow(25, size=4), compress_ratio=0.4).plan(1, 2)
+    assert euler.solver == "euler" and euler.num_steps == 12
 
 
 def test_flash_grpo_one_shared_step_per_prompt_and_rectified_weights():
@@ -285,9 +290,9 @@ def test_flash_grpo_one_shared_step_per_prompt_and_rectified_weights():
 
 
 def test_flash_grpo_rejects_a_cps_step_into_zero():
-    with pytest.raises(ValueError, match="algo.flash.max_step"):
+    with pytest.raises(ValueError, match="algo.max_step"):
         FlashGRPO(SIGMAS10, kernel="cps", max_step=10)
-    with pytest.raises(ValueError, match="algo.flash.max_step"):
+    with pytest.raises(ValueError, match="algo.max_step"):
         FlashGRPO(SIGMAS10, max_step=11)
     assert FlashGRPO(SIGMAS10, kernel="cps", max_step=9).max_step == 9
 
@@ -326,53 +331,92 @@ CONFIGS = [
     (["algo=grpo", "sampler=dance", "algo.timestep_fraction=0.6"], GRPO),
     (["algo=grpo", "sampler=cps"], GRPO),
     (["algo=grpo", "sampler=dance", "algo.timestep_fraction=0.3", "algo.timestep_selection=first"], GRPO),
+    (["algo=grpo", "sampler=mix_sde"], GRPO),
     (["algo=mix_grpo", "sampler=mix_sde"], MixGRPO),
-    (["algo=mix_grpo", "sampler=mix_sde_flash"], MixGRPO),
-    (["algo=flash_grpo", "sampler=ode"], FlashGRPO),
-    (["algo=flash_grpo"], FlashGRPO),  # with the default sampler (mix_sde): Flash places its own step
+    (["algo=mix_grpo", "sampler=cps"], MixGRPO),
+    (["algo=mix_grpo", "sampler=mix_sde_flash", "algo.compress_ratio=0.4"], MixGRPO),
+    (["algo=flash_grpo", "sampler=sde"], FlashGRPO),
+    (["algo=flash_grpo", "sampler=dance"], FlashGRPO),
     (["experiment=mix_grpo_flash_shapes"], MixGRPO),
+    (["experiment=flow_grpo_shapes"], GRPO),
 ]
+
+
+def _check_plan(cfg, algo, sigmas):
+    N, G = 3, cfg.trainer.group_size
+    plan = algo.plan(N, G, generator=gen())
+    assert plan.sde_mask.shape == (N * G, plan.num_steps) and (plan.kernel, plan.solver) == (cfg.sampler.kernel,
+                                                                                             cfg.sampler.solver)
+    # the banner's arithmetic (the algorithm's count) and the plan agree
+    k, note = algo.trained_steps()
+    assert k >= 1 and note and plan.train_mask.sum(1).tolist() == [k] * (N * G)
+    assert batch_plan(cfg, trained_steps=algo.trained_steps()).trained_steps == k
+    return plan, k
 
 
 @pytest.mark.parametrize("overrides,cls", CONFIGS, ids=[" ".join(o) for o, _ in CONFIGS])
 def test_build_algorithm_from_composed_configs(hydra_compose, overrides, cls):
     cfg = hydra_compose(overrides)
     sampler = build_sampler(cfg.sampler)
-    algo = build_algorithm(cfg.algo, cfg.sampler, sampler.sigmas, window=sampler.window)
-    assert type(algo) is cls and algo.name == cfg.algo.name
+    algo = build_algorithm(cfg.algo, cfg.sampler, sampler.sigmas)
+    assert type(algo) is cls and algo.name == cfg.algo.name and isinstance(algo.cfg, cls.config_class)
     assert algo.describe().startswith(cfg.algo.name) and "\n" not in algo.describe()
-    N, G = 3, cfg.trainer.group_size
-    plan = algo.plan(N, G, generator=gen())
-    assert plan.sde_mask.shape == (N * G, plan.num_steps) and (plan.kernel, plan.solver) == (cfg.sampler.kernel,
-                                                                                             cfg.sampler.solver)
-    # the banner's arithmetic and the plan agree
-    assert plan.train_mask.sum(1).tolist() == [batch_plan(cfg).trained_steps] * (N * G)
-    if cls is MixGRPO:  # one window object for the Sampler and the algorithm; the schedules agree
-        assert algo.window is sampler.window
-        sigmas, mask = sampler.schedule()
-        assert torch.equal(plan.sigmas, sigmas) and torch.equal(plan.sde_mask[0], mask)
-        assert (cfg.sampler.compress_ratio < 1) == (plan.num_steps < cfg.sampler.num_steps)
-        assert algo.state_dict() == sampler.state_dict()
+    plan, k = _check_plan(cfg, algo, sampler.sigmas)
+    if cls is MixGRPO:
+        size = cfg.algo.window.size or default_window_size(cfg.sampler.num_steps)
+        assert algo.window.size == size and algo.window.shift_interval == cfg.algo.window.shift_interval
+        assert (cfg.algo.compress_ratio < 1) == (plan.num_steps < cfg.sampler.num_steps)
     if cls is not FlashGRPO:
-        assert algo.selection == cfg.algo.timestep_selection
-    if cfg.algo.timestep_selection == "first":  # the noisiest SDE steps, the same for every sample
-        k = batch_plan(cfg).trained_steps
+        assert algo.timestep_selection == cfg.algo.timestep_selection
+    if cfg.algo.get("timestep_selection") == "first":  # the noisiest SDE steps, the same for every sample
         assert k < plan.num_steps and plan.train_mask[:, :k].all() and not plan.train_mask[:, k:].any()
     if cls is FlashGRPO:
         assert algo.global_std and algo.rectify and algo.max_step == cfg.sampler.num_steps // 2
     assert algo.global_std == cfg.algo.global_std and algo.adv_clip == cfg.algo.adv_clip
 
 
+ALGO_OPTIONS = sorted(p.stem for p in (CONF / "algo").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("option", ALGO_OPTIONS)
+def test_every_algorithm_runs_with_the_default_sampler_and_its_schema_defaults(hydra_compose, option):
+    """``python train.py algo=X`` composes, validates and plans with no other override; the option file states only
+    what differs from its schema, so the composed node equals the schema's defaults plus that."""
+    cfg = hydra_compose([f"algo={option}"])
+    assert cfg.sampler.name == hydra_compose([]).sampler.name  # the default sampler
+    validate(cfg)
+    cls = ALGORITHMS[cfg.algo.name]
+    assert OmegaConf.get_type(cfg.algo) is cls.config_class
+    defaults = OmegaConf.structured(cls.config_class(name=cfg.algo.name))
+    assert OmegaConf.to_container(cfg.algo) == OmegaConf.to_container(defaults)  # nothing restated differently
+    algo = build_algorithm(cfg.algo, cfg.sampler, build_sampler(cfg.sampler).sigmas)
+    _check_plan(cfg, algo, None)
+
+
+def test_algorithm_options_are_the_registry():
+    assert set(ALGO_OPTIONS) == set(ALGORITHMS)
+    cs = ConfigStore.instance().repo["algo"]
+    assert {f"base_{name}.yaml" for name in ALGORITHMS} <= set(cs)
+
+
 @pytest.mark.parametrize("overrides,match", [
-    (["algo=grpo", "sampler=mix_sde"], r"sampler\.sde='window'.*algo=mix_grpo"),
-    (["algo=grpo", "sampler=sde", "sampler.sde=none"], r"sampler\.sde='none'"),
-    (["algo=mix_grpo", "sampler=sde"], r"sampler\.sde='all'.*sampler=mix_sde"),
-    (["algo=flash_grpo", "sampler=cps", "algo.flash.max_step=10"], r"algo\.flash\.max_step"),
+    (["algo=mix_grpo", "algo.window.size=11"], r"algo\.window\.size=11 exceeds sampler\.num_steps=10"),
+    (["algo=flash_grpo", "sampler=cps", "algo.max_step=10"], r"algo\.max_step"),
+    (["algo=flash_grpo", "algo.max_step=12"], r"algo\.max_step=12 exceeds"),
+    (["algo=grpo", "algo.timestep_selection=last"], r"algo\.timestep_selection='last'"),
 ])
 def test_build_algorithm_errors_name_the_key(hydra_compose, overrides, match):
     cfg = hydra_compose(overrides)
     with pytest.raises(ValueError, match=match):
         build_algorithm(cfg.algo, cfg.sampler, build_sampler(cfg.sampler).sigmas)
+
+
+def test_algorithm_keywords_are_its_schema():
+    with pytest.raises(TypeError, match="GRPO has no option window"):
+        GRPO(SIGMAS10, window=3)
+    with pytest.raises(ConfigError, match=r"algo\.clip_range=0"):
+        FlashGRPO(SIGMAS10, clip_range=0)
+    assert GRPO(SIGMAS10).kl_beta == GRPOConfig().kl_beta == 0.04  # schema defaults are the defaults
 
 
 def test_build_algorithm_checks_values_and_schedule(hydra_compose):

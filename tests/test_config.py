@@ -20,9 +20,10 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 import rewards
+from flowgrpo.algorithms import build_algorithm
 from flowgrpo.build import (REPO_ROOT, Sampler, batch_plan, build_adapter, build_logger, build_prompts, build_reward,
                             build_sampler, model_kwargs)
-from flowgrpo.config import GROUP_SCHEMAS, ConfigError, validate
+from flowgrpo.config import GROUP_SCHEMAS, ConfigError, algo_schema, validate
 
 CONF = REPO_ROOT / "conf"
 GROUPS = list(GROUP_SCHEMAS)  # model sampler algo reward data logger trainer
@@ -34,17 +35,10 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-# What an option needs from the other groups to make a valid whole: the default algo (mix_grpo) trains the
-# MixGRPO window, so all-step samplers pair with algo=grpo, and the pure ODE sampler with Flash-GRPO.
+# Every sampler serves every algorithm (the algorithm decides which steps are SDE): no option needs a partner.
 # Rewards with learned weights (never on CI machines): building them must fail fast, naming the kwarg to set.
 NEEDS_WEIGHTS = {"pickscore", "hpsv21", "aesthetic", "clipscore", "imagereward", "video_clip", "video_consistency"}
-PARTNERS = {
-    ("sampler", "sde"): ["algo=grpo"],
-    ("sampler", "dance"): ["algo=grpo"],
-    ("sampler", "cps"): ["algo=grpo"],
-    ("sampler", "ode"): ["algo=flash_grpo"],
-    ("algo", "grpo"): ["sampler=sde"],
-}
+PARTNERS: dict[tuple[str, str], list[str]] = {}
 # Keys left for the user to fill (``???``) by design.
 EXPECTED_MISSING = {
     ("data", "text_prompts"): {"data.train_file"},
@@ -94,7 +88,7 @@ def test_tree_has_the_groups_of_design(hydra_compose):
         assert choices[group] in options(group)
     assert set(options("model")) >= {"tiny_sd3", "tiny_flux", "tiny_wan", "sd3_shapes", "sd35_medium",
                                      "sd35_large", "flux_dev", "wan21_1_3b"}
-    assert set(options("sampler")) >= {"sde", "dance", "cps", "mix_sde", "mix_sde_flash", "ode"}
+    assert set(options("sampler")) >= {"sde", "dance", "cps", "mix_sde", "mix_sde_flash"}
     assert set(options("algo")) >= {"grpo", "mix_grpo", "flash_grpo"}
     assert set(options("logger")) >= {"wandb", "none"}
     assert {cfg.model.family for cfg in [hydra_compose([f"model={m}"]) for m in TINY_MODELS]} == {"sd3", "flux", "wan"}
@@ -104,14 +98,15 @@ def test_tree_has_the_groups_of_design(hydra_compose):
 def test_every_option_composes_and_validates(hydra_compose, group, option):
     cfg = hydra_compose([f"{group}={option}", *PARTNERS.get((group, option), [])])
     validate(cfg)
-    for g, schema in GROUP_SCHEMAS.items():  # every group node is typed by its schema
-        assert OmegaConf.get_type(cfg[g]) is schema, g
+    for g, schema in GROUP_SCHEMAS.items():  # every group node is typed by its schema (the algorithm's own)
+        expected = algo_schema(cfg.algo.name) if g == "algo" else schema
+        assert OmegaConf.get_type(cfg[g]) is expected, g
     assert set(OmegaConf.missing_keys(cfg)) == EXPECTED_MISSING.get((group, option), set())
 
 
 def test_presets_override_the_groups(hydra_compose):
     cfg = hydra_compose(["experiment=mix_grpo_shapes"])  # group choices and values both come from the preset
-    assert (cfg.model.pretrained, cfg.sampler.num_steps, cfg.sampler.window.size) == ("assets/tiny-sd3-shapes", 10, 2)
+    assert (cfg.model.pretrained, cfg.sampler.num_steps, cfg.algo.name) == ("assets/tiny-sd3-shapes", 10, "mix_grpo")
     cfg = hydra_compose(["experiment=mix_grpo_shapes", "debug=default"])  # debug is applied last and wins
     assert (cfg.model.pretrained, cfg.sampler.num_steps, cfg.trainer.iterations) == ("tiny-random:sd3", 4, 2)
     cfg = hydra_compose(["experiment=mix_grpo_shapes", "sampler.num_steps=12"])  # the command line wins over all
@@ -121,7 +116,7 @@ def test_presets_override_the_groups(hydra_compose):
 def test_geneval_with_mix_sde_composes(hydra_compose):
     cfg = validate(hydra_compose(["reward=geneval", "sampler=mix_sde"]))
     assert cfg.reward.name == "geneval" and cfg.reward.kwargs.detector == "shapes"
-    assert cfg.sampler.sde == "window" and cfg.algo.name == "mix_grpo"
+    assert cfg.sampler.kernel == "flow_grpo" and cfg.algo.name == "mix_grpo"
 
 
 def test_config_files_start_with_their_command_and_comment_every_knob():
@@ -181,7 +176,7 @@ def test_appended_unknown_key_fails_validation(hydra_compose):
 @pytest.mark.parametrize("override,key", [
     ("trainer.group_size=abc", "trainer.group_size"),
     ("model.height=tall", "model.height"),
-    ("sampler.window.size=x", "sampler.window.size"),
+    ("algo.window.size=x", "algo.window.size"),
     ("algo.global_std=maybe", "algo.global_std"),
 ])
 def test_wrong_type_fails_naming_the_key(hydra_compose, override, key):
@@ -208,16 +203,16 @@ def test_typo_and_wrong_type_inside_a_yaml_file_name_the_key(tmp_path):
     (["model.attention=flash"], r"model\.attention='flash' is not one of sdpa, xformers"),
     (["model.torch_dtype=fp8"], r"model\.torch_dtype"),
     (["model.vae_dtype=fp8"], r"model\.vae_dtype='fp8' is not one of None, float32, bfloat16, float16"),
-    (["sampler.window.schedule=zigzag"], r"sampler\.window\.schedule"),
+    (["algo.window.schedule=zigzag"], r"algo\.window\.schedule"),
     (["trainer.group_size=1"], r"trainer\.group_size=1 must be >= 2"),
     (["algo.clip_range=0"], r"algo\.clip_range=0\.0 must be > 0"),
-    (["sampler.window.size=30"], r"sampler\.window\.size=30 exceeds sampler\.num_steps=10"),
-    (["sampler=sde"], r"algo=mix_grpo trains the MixGRPO window.*algo=grpo"),
-    (["sampler=ode", "algo=grpo"], r"algo=grpo has nothing to train"),
-    (["algo=grpo"], r"algo=grpo .* sampler\.sde='window'"),
+    (["algo.window.size=30"], r"algo\.window\.size=30 exceeds sampler\.num_steps=10"),
+    (["algo=flash_grpo", "algo.max_step=11"], r"algo\.max_step=11 exceeds sampler\.num_steps=10"),
+    (["algo=grpo", "algo.timestep_fraction=0"], r"algo\.timestep_fraction=0"),
+    (["algo=grpo", "algo.name=nope"], r"algo\.name='nope' is not one of .*grpo"),
     (["model=tiny_sd3", "model.family=flux"], r"model\.pretrained='tiny-random:sd3' does not match model\.family='flux'"),
     (["model=tiny_wan", "model.num_frames=null"], r"model\.num_frames must be set"),
-    (["sampler.compress_ratio=0.5"], r"sampler\.solver=dpm\+\+2m"),
+    (["sampler.solver=rk4"], r"sampler\.solver='rk4' is not one of euler"),
     (["trainer.adam_betas=[0.9]"], r"trainer\.adam_betas"),
 ])
 def test_choices_ranges_and_cross_checks_name_the_key(hydra_compose, overrides, message):
@@ -273,33 +268,22 @@ def test_real_models_validate_and_fail_clearly_offline(hydra_compose, name, monk
 
 @pytest.mark.parametrize("name", options("sampler"))
 def test_every_sampler_instantiates_and_drives_a_rollout(hydra_compose, name):
+    """Every sampler with the default algorithm: schedules, and the algorithm's plan rolled out with its kernel."""
     from samplers import rollout
 
-    cfg = validate(hydra_compose([f"sampler={name}", *PARTNERS.get(("sampler", name), [])]))
+    cfg = validate(hydra_compose([f"sampler={name}"]))
     sampler = build_sampler(cfg.sampler)
     assert isinstance(sampler, Sampler)
     T = cfg.sampler.num_steps
     assert sampler.sigmas.shape == (T + 1,) and sampler.eval_sigmas.shape == (cfg.sampler.eval_num_steps + 1,)
     assert sampler.sigmas[0] == 1 and sampler.sigmas[-1] == 0 and (sampler.sigmas.diff() < 0).all()
-    mask = sampler.sde_mask()
-    expected = {"all": T - (cfg.sampler.kernel == "cps"), "window": cfg.sampler.window.size, "none": 0}
-    assert int(mask.sum()) == expected[cfg.sampler.sde]
-    if sampler.window is not None:  # MixGRPO's window moves and its state round-trips
-        for _ in range(cfg.sampler.window.shift_interval):
-            sampler.window.advance()
-        assert sampler.window.positions[0] == cfg.sampler.window.stride
-        state = sampler.state_dict()
-        fresh = build_sampler(cfg.sampler)
-        fresh.load_state_dict(state)
-        assert fresh.window.positions == sampler.window.positions
-    sigmas, mask = sampler.schedule()
-    if cfg.sampler.compress_ratio < 1:  # MixGRPO-Flash: fewer steps after the window
-        assert sigmas.shape[0] < sampler.sigmas.shape[0]
+    assert (sampler.kernel, sampler.solver) == (cfg.sampler.kernel, cfg.sampler.solver)
+    plan = build_algorithm(cfg.algo, cfg.sampler, sampler.sigmas).plan(1, 2)
     noise = torch.randn(2, 1, 4, 4, generator=torch.Generator().manual_seed(0))
-    traj = rollout(lambda x, s: noise - 0.0 * x, noise, sigmas, mask, kernel=sampler.kernel,
-                   noise_level=sampler.noise_level, solver=sampler.solver, generator=torch.Generator().manual_seed(1))
+    traj = rollout(lambda x, s: noise - 0.0 * x, noise, plan.sigmas, plan.sde_mask, kernel=plan.kernel,
+                   noise_level=plan.noise_level, solver=plan.solver, generator=torch.Generator().manual_seed(1))
     assert torch.isfinite(traj.final).all()
-    assert bool((traj.log_probs != 0).any()) == bool(mask.any())
+    assert bool((traj.log_probs != 0).any()) == bool(plan.sde_mask.any()) and plan.sde_mask.any()
 
 
 def test_sampler_uses_the_model_schedule_unless_shift_is_set(hydra_compose):
@@ -394,25 +378,32 @@ def test_loggers_instantiate(hydra_compose, name, tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------ batch plan
 
 
+def _trained(cfg) -> int:
+    return build_algorithm(cfg.algo, cfg.sampler, build_sampler(cfg.sampler).sigmas).trained_steps()[0]
+
+
 def test_batch_plan_arithmetic_and_banner(hydra_compose):
-    cfg = hydra_compose(["model=tiny_sd3", "trainer.prompts_per_iteration=8", "trainer.group_size=4", "trainer.train_batch_size=8",
-                         "trainer.gradient_accumulation_steps=2", "trainer.inner_epochs=2"])
-    plan = batch_plan(cfg, num_processes=2)
+    cfg = hydra_compose(["model=tiny_sd3", "sampler=mix_sde", "trainer.prompts_per_iteration=8", "trainer.group_size=4",
+                         "trainer.train_batch_size=8", "trainer.gradient_accumulation_steps=2", "trainer.inner_epochs=2"])
+    algo = build_algorithm(cfg.algo, cfg.sampler, build_sampler(cfg.sampler).sigmas)
+    plan = batch_plan(cfg, num_processes=2, trained_steps=algo.trained_steps())
     assert (plan.rollouts, plan.rollouts_per_process, plan.train_micro_batch) == (32, 16, 4)
-    assert plan.trained_steps == cfg.sampler.window.size == 4
+    assert plan.trained_steps == algo.window.size == 4  # MixGRPO's 4 of 25
     assert plan.backward_per_update == 8 and plan.updates_per_iteration == 2 * 32 // 16
     banner = plan.banner()
     for text in ["8 prompts × 4 samples = 32 rollouts/iteration over 2 processes → 16 per process",
-                 "4 trained steps each", "2 accumulation steps", "4 optimizer updates per iteration"]:
+                 "4 trained steps each (a window of 4 SDE steps)", "2 accumulation steps",
+                 "4 optimizer updates per iteration"]:
         assert text in banner, banner
+    assert batch_plan(cfg).trained_steps == 0  # before the algorithm exists: divisibility only
 
-    assert batch_plan(hydra_compose(["algo=flash_grpo"])).trained_steps == 1
-    assert batch_plan(hydra_compose(["sampler=sde", "algo=grpo", "algo.timestep_fraction=1"])).trained_steps == 10
-    flow = batch_plan(hydra_compose(["sampler=sde", "algo=grpo"]))  # the embedded model's Flow-GRPO default
-    assert flow.trained_steps == 3 and "algo.timestep_fraction=0.3 (first)" in flow.banner()
-    assert batch_plan(hydra_compose(["sampler=cps", "algo=grpo"])).trained_steps == 9
-    assert batch_plan(hydra_compose(["model=tiny_sd3", "sampler=dance", "algo=grpo", "algo.timestep_fraction=0.6"])).trained_steps == 9  # 16 × 0.6
-    assert batch_plan(hydra_compose(["sampler=dance", "algo=grpo", "algo.timestep_fraction=0.6"])).trained_steps == 6  # the asset: 10 steps
+    assert _trained(hydra_compose(["algo=flash_grpo"])) == 1
+    assert _trained(hydra_compose(["algo=grpo"])) == 10  # plain Flow-GRPO: every step of the asset's 10
+    assert _trained(hydra_compose(["experiment=flow_grpo_shapes"])) == 3  # the tuned recipe: the 3 noisiest
+    assert _trained(hydra_compose(["sampler=cps", "algo=grpo"])) == 9
+    assert _trained(hydra_compose(["model=tiny_sd3", "sampler=dance", "algo=grpo", "algo.timestep_fraction=0.6"])) == 9  # 16 × 0.6
+    assert _trained(hydra_compose(["sampler=dance", "algo=grpo", "algo.timestep_fraction=0.6"])) == 6  # the asset: 10 steps
+    assert _trained(hydra_compose([])) == 2  # the default MixGRPO: a window of 2 of 10
 
 
 @pytest.mark.parametrize("overrides,processes,knob", [
@@ -452,7 +443,7 @@ def test_train_py_end_to_end_on_the_tiny_twin(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     monkeypatch.setattr(sys, "argv", [
         "train.py", "model=tiny_sd3", "reward=jpeg_compressibility", "sampler=mix_sde", "sampler.num_steps=4",
-        "sampler.eval_num_steps=3", "sampler.window.size=2", "trainer.iterations=2", "trainer.eval_num_prompts=2", "trainer.eval_samples_per_tag=null",
+        "sampler.eval_num_steps=3", "algo.window.size=2", "trainer.iterations=2", "trainer.eval_num_prompts=2", "trainer.eval_samples_per_tag=null",
         "trainer.prompts_per_iteration=2", "trainer.group_size=2", "trainer.train_batch_size=2",
         "trainer.gradient_accumulation_steps=1", "trainer.gallery_every=1", f"hydra.run.dir={run_dir}",
         "hydra/job_logging=none", "hydra/hydra_logging=none",  # no log handlers left pointing into tmp_path
@@ -496,27 +487,39 @@ def test_the_default_is_the_embedded_world_and_models_bring_their_own_defaults(h
     cfg = validate(hydra_compose())
     assert (cfg.model.pretrained, cfg.reward.name, cfg.data.name) == ("assets/tiny-sd3-shapes", "geneval", "geneval_shapes")
     # conf/model_defaults/sd3_shapes.yaml: the CPU grid, whatever the sampler ...
-    assert (cfg.sampler.num_steps, cfg.sampler.eval_num_steps, cfg.sampler.window.size) == (10, 10, 2)
-    assert hydra_compose(["sampler=sde", "algo=grpo"]).sampler.num_steps == 10
+    assert (cfg.sampler.num_steps, cfg.sampler.eval_num_steps) == (10, 10)
+    assert hydra_compose(["sampler=dance", "algo=grpo"]).sampler.num_steps == 10
     # ... and the command line and presets still win; other models keep the papers' settings
     assert hydra_compose(["sampler.num_steps=25"]).sampler.num_steps == 25
     assert hydra_compose(["experiment=mix_grpo_shapes", "debug=default"]).sampler.num_steps == 4
-    real = hydra_compose(["model=sd35_medium"])
-    assert (real.sampler.num_steps, real.sampler.window.size) == (25, 4)
+    real = hydra_compose(["model=sd35_medium", "sampler=mix_sde"])
+    assert real.sampler.num_steps == 25 and _trained(real) == 4
 
 
-def test_methods_bring_their_own_defaults_per_model(hydra_compose):
-    """conf/method_defaults/<model>_<algo>_<sampler>.yaml: Flow-GRPO on the shapes world trains its noisiest steps."""
-    flow = ("algo=grpo", "sampler=sde")
-
+def test_an_explicit_choice_is_never_rewritten(hydra_compose):
+    """No hidden per-(model, method) defaults: ``algo=X`` gives X's schema defaults on every model, and tuned recipes
+    are named ``experiment=`` presets."""
     def knobs(*overrides):
         a = hydra_compose(list(overrides)).algo
         return a.kl_beta, a.timestep_fraction, a.timestep_selection
 
-    assert knobs(*flow) == (0.04, 0.3, "first") == knobs("experiment=flow_grpo_shapes")
-    assert knobs(*flow, "algo.timestep_fraction=1", "algo.timestep_selection=random")[1:] == (1.0, "random")  # CLI wins
-    assert knobs(*flow, "model=sd35_medium") == (0.04, 1.0, "random")  # other models: Flow-GRPO's own recipe
-    assert knobs("algo=grpo", "sampler=dance") == (0.04, 1.0, "random")  # other methods: untouched
+    assert knobs("algo=grpo") == (0.04, 1.0, "random") == knobs("algo=grpo", "model=sd35_medium")
+    assert knobs("algo=grpo", "sampler=dance") == (0.04, 1.0, "random")
+    assert knobs("experiment=flow_grpo_shapes") == (0.04, 0.3, "first")  # the tuned recipe, by name
+    assert knobs("experiment=flow_grpo_shapes", "algo.timestep_fraction=1")[1] == 1.0  # the command line wins
     assert knobs() == (0.0, 1.0, "random")  # the default MixGRPO run
-    with pytest.raises(ConfigError, match="timestep_selection"):
-        validate(hydra_compose([*flow, "algo.timestep_selection=last"]))
+    assert not (CONF / "method_defaults").exists()
+
+
+def test_help_lists_the_recipes_and_no_hidden_groups(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "train.py"), "--help"], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for name in options("experiment"):
+        assert name in out, name
+    groups = dict(line.split(": ", 1) for line in out.split("== Configuration groups ==")[1].split("== Config ==")[0]
+                  .splitlines() if ": " in line and not line.startswith("Compose"))
+    assert set(groups["experiment"].split(", ")) == set(options("experiment"))
+    assert set(groups["algo"].split(", ")) == set(options("algo")) | {f"base_{a}" for a in options("algo")}
+    assert "method_defaults" not in groups and "model_defaults: applied with its model" in out

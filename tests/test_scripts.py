@@ -22,8 +22,8 @@ def test_bench_iteration_reports_every_algorithm_side_by_side(tmp_path):
     report = bench.main([
         "--model", "tiny_sd3", "--reward", "jpeg_compressibility",
         "--iterations", "1", "--warmup", "0", "--algorithms", "flow_grpo,mix_grpo,flash_grpo,mix_grpo_late", "--threads", "1",
-        "--out", str(out), "--set", "sampler.num_steps=4", "--set", "sampler.window.size=2",
-        "--set", "sampler.window.start=1", "--set", "trainer.prompts_per_iteration=2", "--set", "trainer.group_size=2",
+        "--out", str(out), "--set", "sampler.num_steps=4", "--set", "mix_grpo:algo.window.size=2",
+        "--set", "mix_grpo:algo.window.start=1", "--set", "trainer.prompts_per_iteration=2", "--set", "trainer.group_size=2",
         "--set", "trainer.train_batch_size=4", "--set", "trainer.gradient_accumulation_steps=1",
     ])
     assert out.is_file()
@@ -70,7 +70,7 @@ def test_bench_time_to_reward_writes_curves_per_seed(tmp_path):
         "--model", "tiny_sd3", "--reward", "jpeg_compressibility", "--metric", "eval/reward", "--target", "-100",
         "--seeds", "0,1", "--algorithms", "mix_grpo", "--max-iterations", "1", "--out", str(out), "--threads", "1",
         "--set", "trainer.eval_num_prompts=2", "--set", "trainer.eval_samples_per_tag=null", "--set", "sampler.num_steps=3", "--set", "sampler.eval_num_steps=3",
-        "--set", "sampler.window.size=1", "--set", "trainer.prompts_per_iteration=2", "--set", "trainer.group_size=2",
+        "--set", "mix_grpo:algo.window.size=1", "--set", "trainer.prompts_per_iteration=2", "--set", "trainer.group_size=2",
         "--set", "trainer.train_batch_size=4", "--set", "trainer.gradient_accumulation_steps=1",
     ])
     row = report["algorithms"]["mix_grpo"]
@@ -79,7 +79,7 @@ def test_bench_time_to_reward_writes_curves_per_seed(tmp_path):
     report = bench.main([
         "--model", "tiny_sd3", "--reward", "jpeg_compressibility", "--metric", "eval/reward", "--target", "100",
         "--seeds", "0", "--algorithms", "flash_grpo", "--max-iterations", "1", "--out", str(out), "--threads", "1",
-        "--set", "trainer.eval_num_prompts=2", "--set", "trainer.eval_samples_per_tag=null", "--set", "sampler.num_steps=3", "--set", "sampler.eval_num_steps=3", "--set", "sampler.window.size=1",
+        "--set", "trainer.eval_num_prompts=2", "--set", "trainer.eval_samples_per_tag=null", "--set", "sampler.num_steps=3", "--set", "sampler.eval_num_steps=3", "--set", "mix_grpo:algo.window.size=1",
         "--set", "trainer.prompts_per_iteration=2", "--set", "trainer.group_size=2",
         "--set", "trainer.train_batch_size=4", "--set", "trainer.gradient_accumulation_steps=1",
     ])
@@ -87,7 +87,7 @@ def test_bench_time_to_reward_writes_curves_per_seed(tmp_path):
     assert not run["reached"] and [p["iteration"] for p in run["curve"]] == [0, 1] and run["seconds"] > 0
     assert report["ratios"] == {} and "mix_grpo_late" not in bench.TRAINING
     # on the embedded world the iteration bench's Flow-GRPO trains every step (the papers' cost, the ratios'
-    # denominator); time to reward runs Flow-GRPO's default there (the noisiest 3 of 10: conf/method_defaults/)
+    # denominator); time to reward runs Flow-GRPO's embedded recipe (the noisiest 3 of 10: experiment=flow_grpo_shapes)
     assert bench.compose(bench.ALGORITHMS["flow_grpo"]).algo.timestep_fraction == 1.0
     assert bench.compose(bench.RECIPES["flow_grpo"]).algo.timestep_fraction == 0.3
     def row(reached, seconds):
@@ -126,7 +126,7 @@ def test_bench_multireward_trains_each_aggregator_on_the_same_budget(tmp_path):
 
 def test_gradient_snr_compares_independent_policy_gradients(tmp_path):
     snr = load_script("gradient_snr")
-    overrides = ["model=tiny_sd3", "reward=jpeg_compressibility", "sampler.num_steps=4", "sampler.window.size=2",
+    overrides = ["model=tiny_sd3", "reward=jpeg_compressibility", "sampler.num_steps=4", "algo.window.size=2",
                  "trainer.prompts_per_iteration=2", "trainer.group_size=2", "trainer.train_batch_size=4",
                  "trainer.gradient_accumulation_steps=1"]
     report = snr.main(["--batches", "3", "--threads", "1", "--out", str(tmp_path / "snr.json"),

@@ -1,32 +1,41 @@
-"""What an algorithm is to the trainer: a plan for the rollout, an advantage, per-transition loss weights.
+"""What an algorithm is to the trainer: a plan for the rollout, an advantage, and the loss of its own update.
 
-DESIGN.md's loop is ``plan → rollout → score → advantage → update → log/checkpoint``; an algorithm fills
-phase 1 (:meth:`Algorithm.plan` → :class:`RolloutPlan`), may shape phase 4 (:meth:`Algorithm.advantages`) and
-weights phase 5 (:meth:`Algorithm.loss_weights`, used by ``losses.ppo_clip_loss``). It never runs the loop.
+DESIGN.md's loop is ``plan → rollout → score → advantage → update → log/checkpoint``. An algorithm fills phase 1
+(:meth:`Algorithm.plan` → :class:`RolloutPlan`: which steps are stochastic, which are trained), may shape
+phase 4 (:meth:`Algorithm.advantages`) and owns the loss of phase 5 (:meth:`Algorithm.loss`). The trainer owns the
+loop around them: accumulation, clipping, the optimizer, EMA, logging, checkpoints. It reaches the model only
+through an :class:`UpdateContext`, so an algorithm never touches the trainer's modules directly.
 
->>> algo = build_algorithm(cfg.algo, cfg.sampler, sampler.sigmas)          # doctest: +SKIP
->>> plan = algo.plan(num_prompts, group_size, generator=gen)               # phase 1
+>>> algo = build_algorithm(cfg.algo, cfg.sampler, sigmas)                    # doctest: +SKIP
+>>> plan = algo.plan(num_prompts, group_size, generator=gen)                 # phase 1
 >>> traj = samplers.rollout(v, noise, plan.sigmas, plan.sde_mask, kernel=plan.kernel,
 ...                         noise_level=plan.noise_level, solver=plan.solver)   # phase 2
->>> adv = algo.advantages(rewards, group_size)                             # phase 4
->>> rows, steps = plan.train_mask.nonzero(as_tuple=True)                   # phase 5: the trained transitions
->>> w = algo.loss_weights(plan, rows, steps)
->>> algo.end_iteration()                                                   # after the update
+>>> adv = algo.advantages(rewards, group_size)                               # phase 4
+>>> loss, info = algo.loss(ctx, batch, rows, steps)                          # phase 5, per micro-batch and step
+>>> algo.end_iteration()                                                     # after the update
+
+A new algorithm is one module in this package (it is imported by the package, and registers itself by its
+``name``) with a config schema (``config_class``, a :class:`~flowgrpo.config.AlgoConfig` subclass) and one
+``conf/algo/<name>.yaml`` option; the trainer does not change.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, ContextManager, Iterator
 
 import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from samplers import KERNELS, SOLVERS
 
 from ..advantages import group_advantages
+from ..config import AlgoConfig
 
-__all__ = ["RolloutPlan", "Algorithm", "ALGORITHMS", "build_algorithm"]
+__all__ = ["RolloutPlan", "Batch", "UpdateContext", "Algorithm", "ALGORITHMS", "build_algorithm"]
 
 #: name → Algorithm subclass, filled by ``Algorithm.__init_subclass__``.
 ALGORITHMS: dict[str, type["Algorithm"]] = {}
@@ -40,8 +49,15 @@ class RolloutPlan:
         sigmas: ``[T'+1]`` float32 schedule the rollout integrates, shared by the batch (MixGRPO-Flash: the
             compressed tail; else the sampler's ``T``-step schedule).
         sde_mask: ``[N, T']`` bool, stochastic steps per sample; ``N = prompts × group_size``, group members
-            consecutive (rows ``p·G … p·G+G−1`` are prompt ``p``).
-        train_mask: ``[N, T']`` bool ⊆ ``sde_mask``: the transitions the update trains on.
+            consecutive (rows ``p·G … p·G+G−1`` are prompt ``p``). All False for an ODE-only rollout. A stateful
+            model generating chunk by chunk (streaming video) has a chunk axis: ``[N, C, T']``, each chunk integrated
+            over ``sigmas`` (``samplers.chunked_rollout``).
+        train_mask: the shape of ``sde_mask``: the steps the update trains, the same number per row. Trained steps
+            are addressed by their index in the row's flattened mask (``c·T' + i`` with a chunk axis:
+            :meth:`chunk_step`). For policy-gradient
+            algorithms a subset of ``sde_mask`` (the stored transitions whose log-prob is rescored); for
+            forward-process algorithms (DiffusionNFT) the noise levels of the schedule the clean sample is
+            re-noised to.
         solver: ``"euler"`` | ``"dpm++2m"`` (ODE steps after a row's last SDE step), for ``samplers.rollout``.
         kernel: SDE kernel (``samplers.KERNELS``); noise_level: its ``a`` / ``η``.
         group_size: ``G``.
@@ -61,13 +77,14 @@ class RolloutPlan:
     def __post_init__(self) -> None:
         self.sigmas = torch.as_tensor(self.sigmas, dtype=torch.float32)
         steps = self.sigmas.shape[0] - 1
-        if self.sde_mask.dtype != torch.bool or self.sde_mask.ndim != 2 or self.sde_mask.shape[1] != steps:
-            raise ValueError(f"sde_mask must be bool [N, {steps}], got {self.sde_mask.dtype} "
+        if self.sde_mask.dtype != torch.bool or self.sde_mask.ndim not in (2, 3) or self.sde_mask.shape[-1] != steps:
+            raise ValueError(f"sde_mask must be bool [N, {steps}] or [N, C, {steps}], got {self.sde_mask.dtype} "
                              f"{tuple(self.sde_mask.shape)}")
         if self.train_mask.shape != self.sde_mask.shape or self.train_mask.dtype != torch.bool:
             raise ValueError("train_mask must be a bool tensor of sde_mask's shape")
-        if bool((self.train_mask & ~self.sde_mask).any()):
-            raise ValueError("train_mask must be a subset of sde_mask (only stochastic steps have a log-prob)")
+        counts = self.train_mask.flatten(1).sum(1)
+        if counts.numel() and not bool((counts == counts[0]).all()):
+            raise ValueError("every row must train the same number of steps (train_mask row sums differ)")
         if self.sde_mask.shape[0] % self.group_size:
             raise ValueError(f"{self.sde_mask.shape[0]} rows do not split into groups of {self.group_size}")
         if self.solver not in SOLVERS:
@@ -84,10 +101,27 @@ class RolloutPlan:
     def num_rows(self) -> int:
         return self.sde_mask.shape[0]
 
+    @property
+    def num_chunks(self) -> int:
+        """``C``: chunks generated one after the other (1 without a chunk axis)."""
+        return self.sde_mask.shape[1] if self.sde_mask.ndim == 3 else 1
+
+    @property
+    def trained_per_row(self) -> int:
+        """Trained steps per row (the same for every row)."""
+        return int(self.train_mask[0].sum()) if self.num_rows else 0
+
+    def chunk_step(self, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(chunks, steps)`` of flat trained-step indices (``c·T' + i``); chunks are 0 without a chunk axis."""
+        steps = torch.as_tensor(steps, dtype=torch.long)
+        return torch.div(steps, self.num_steps, rounding_mode="floor"), steps % self.num_steps
+
     def first_sde_step(self) -> torch.Tensor:
         """``LongTensor[N]``: each row's first SDE step (``T'`` when none). Steps before it are deterministic, so
         when a group shares its initial noise the trainer integrates that prefix once per prompt
         (:meth:`shared_prefix`) and branches the group there."""
+        if self.num_chunks > 1:
+            raise ValueError("a chunked plan has no shared deterministic prefix (each chunk starts from its own noise)")
         steps = self.num_steps
         first = self.sde_mask.to(torch.uint8).argmax(dim=1)
         return torch.where(self.sde_mask.any(dim=1), first, torch.full_like(first, steps))
@@ -99,33 +133,93 @@ class RolloutPlan:
 
     def subset(self, rows: torch.Tensor) -> "RolloutPlan":
         """The plan of some rows (e.g. one process's whole groups, in order); ``sigmas`` and ``info`` — which holds
-        batch-wide quantities such as Flash-GRPO's weight normalisation — are kept, so
-        :meth:`Algorithm.loss_weights` gives the same weights as on the full plan."""
+        batch-wide quantities such as Flash-GRPO's weight normalisation — are kept, so an algorithm's loss weights
+        are the same as on the full plan."""
         rows = torch.as_tensor(rows, dtype=torch.long).cpu()
         return dataclasses.replace(self, sde_mask=self.sde_mask[rows], train_mask=self.train_mask[rows])
 
     def trained_transitions(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rows, steps)`` of every trained transition, row-major (``train_mask.nonzero``)."""
-        rows, steps = self.train_mask.nonzero(as_tuple=True)
+        """``(rows, steps)`` of every trained step, row-major; ``steps`` index the row's flattened mask."""
+        rows, steps = self.train_mask.flatten(1).nonzero(as_tuple=True)
         return rows, steps
 
 
-class Algorithm:
-    """Base class: ``name`` registers the subclass for :func:`build_algorithm`.
+@dataclass
+class Batch:
+    """One iteration's rollouts on one process: what the rollout recorded and the update reads.
 
-    Shared behaviour: group-relative advantages (``algo.global_std``, ``algo.adv_clip``), unit loss weights,
-    no state. Subclasses implement :meth:`plan` and override what their paper changes.
+    Rows are prompt-major: the G members of a prompt are consecutive.
+    """
+
+    prompts: list[str]                 # per row
+    metadata: list[dict] | None        # per row
+    global_rows: torch.Tensor          # [n] index of each row in the global batch
+    cond: Any                          # the adapter's conditioning (PromptEmbeds, ...), per row
+    plan: RolloutPlan                  # rows of this process
+    latents: torch.Tensor | None = None             # [n, T'+1, ...] every state ([n, C, T'+1, ...] with chunks)
+    log_probs: torch.Tensor | None = None           # [n, T'] exact log π_old of each SDE step ([n, C, T']); 0 on ODE
+    chunk_conds: list[Any] | None = None            # with chunks: chunk c's conditioning (text + the state written
+                                                    # by the chunks before it), per row: what rescoring needs
+    images: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None
+    components: dict[str, torch.Tensor] = field(default_factory=dict)
+    advantages: torch.Tensor | None = None          # [n] this process's rows
+    global_rewards: torch.Tensor | None = None      # [N·G] gathered from every process
+    global_advantages: torch.Tensor | None = None   # [N·G]
+    nfe: int = 0                                    # sample-steps of velocity evaluations on this process
+
+
+class UpdateContext:
+    """How an algorithm's update reaches the model; the trainer provides one (a test can provide its own).
+
+    Attributes:
+        params: the trainable parameters (what the optimizer updates), in ``named_parameters`` order.
+        updates: optimizer updates so far.
+    """
+
+    params: list[torch.nn.Parameter]
+    updates: int = 0
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Any) -> torch.Tensor:
+        """The trained policy's velocity at ``(x, σ)`` (``σ`` a scalar, ``[B]``, or per token as the adapter
+        allows), with the training-time guidance and autocast; differentiable. Inside :meth:`reference` it is the
+        reference policy's."""
+        raise NotImplementedError
+
+    def reference(self) -> ContextManager[None]:
+        """A context in which :meth:`velocity` is the reference policy (LoRA disabled, or the frozen copy of a
+        fully fine-tuned model). Use under ``torch.no_grad()``."""
+        raise NotImplementedError
+
+    def generator(self, *keys: int) -> torch.Generator:
+        """A CPU generator seeded by the run's seed, the iteration, the inner epoch and ``keys`` (e.g. a global row
+        and a step): the same draws on any number of processes and after a resume."""
+        raise NotImplementedError
+
+
+class Algorithm:
+    """Base class: ``name`` registers the subclass for :func:`build_algorithm`; ``config_class`` is its schema.
+
+    The constructor takes the schedule, the sampler's kernel / noise level / solver, and the fields of
+    ``config_class`` as keywords (their defaults are the schema's): ``GRPO(sigmas, timestep_fraction=0.5)``. The
+    config instance is ``self.cfg``; its fields read as attributes (``algo.global_std``).
+
+    Shared behaviour: group-relative advantages (``algo.global_std``, ``algo.adv_clip``), no state. Subclasses
+    implement :meth:`plan`, :meth:`loss` and :meth:`trained_steps`, and override what their paper changes.
 
     Distributed use: call :meth:`plan` for the *global* batch with a generator seeded identically on every
     process (then slice rows), and :meth:`advantages` on the gathered rewards, so every process agrees.
     """
 
     name: ClassVar[str] = ""
+    config_class: ClassVar[type] = AlgoConfig
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if cls.name:
             ALGORITHMS[cls.name] = cls
+            # its schema, for `algo/<name>.yaml`'s defaults list (flowgrpo.config.register_configs does the same)
+            ConfigStore.instance().store(group="algo", name=f"base_{cls.name}", node=cls.config_class)
 
     def __init__(
         self,
@@ -134,9 +228,8 @@ class Algorithm:
         kernel: str = "flow_grpo",
         noise_level: float = 0.7,
         solver: str = "euler",
-        global_std: bool = False,
-        adv_clip: float = 5.0,
-        timestep_fraction: float = 1.0,
+        cfg: Any = None,
+        **options: Any,
     ) -> None:
         sigmas = torch.as_tensor(base_sigmas, dtype=torch.float32).detach().cpu()
         if sigmas.ndim != 1 or sigmas.shape[0] < 2 or bool((sigmas.diff() >= 0).any()):
@@ -145,26 +238,42 @@ class Algorithm:
             raise ValueError(f"sampler.kernel={kernel!r} is not one of {', '.join(KERNELS)}")
         if solver not in SOLVERS:
             raise ValueError(f"sampler.solver={solver!r} is not one of {', '.join(SOLVERS)}")
-        if not 0 < timestep_fraction <= 1:
-            raise ValueError(f"algo.timestep_fraction={timestep_fraction} must be in (0, 1]")
+        known = {f.name for f in dataclasses.fields(self.config_class)} - {"name"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no option {', '.join(unknown)} (its schema "
+                            f"{self.config_class.__name__} has: {', '.join(sorted(known))})")
+        if cfg is None:
+            cfg = self.config_class(name=self.name, **options)
+        elif options:
+            cfg = dataclasses.replace(cfg, **options)
+        from ..config import validate
+
+        validate(OmegaConf.create({"algo": OmegaConf.structured(cfg)}).algo)  # errors name algo.<key>
+        self.cfg = cfg
         self.base_sigmas = sigmas
         self.kernel = kernel
         self.noise_level = float(noise_level)
         self.solver = solver
-        self.global_std = bool(global_std)
-        self.adv_clip = float(adv_clip)
-        self.timestep_fraction = float(timestep_fraction)
+
+    def __getattr__(self, name: str) -> Any:
+        cfg = self.__dict__.get("cfg")
+        if cfg is not None and name in {f.name for f in dataclasses.fields(cfg)}:
+            return getattr(cfg, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
-    def from_config(cls, algo_cfg, sampler_cfg, base_sigmas: torch.Tensor, *, window=None) -> "Algorithm":
+    def from_config(cls, algo_cfg, sampler_cfg, base_sigmas: torch.Tensor) -> "Algorithm":
         """Build from the ``algo`` and ``sampler`` nodes (see :func:`build_algorithm`)."""
-        return cls(base_sigmas, **cls._common_kwargs(algo_cfg, sampler_cfg))
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls.config_class), algo_cfg))
+        return cls(base_sigmas, kernel=sampler_cfg.kernel, noise_level=float(sampler_cfg.noise_level),
+                   solver=sampler_cfg.solver, cfg=cfg)
 
-    @staticmethod
-    def _common_kwargs(algo_cfg, sampler_cfg) -> dict:
-        return dict(kernel=sampler_cfg.kernel, noise_level=float(sampler_cfg.noise_level), solver=sampler_cfg.solver,
-                    global_std=bool(algo_cfg.global_std), adv_clip=float(algo_cfg.adv_clip),
-                    timestep_fraction=float(algo_cfg.timestep_fraction))
+    @classmethod
+    def check_config(cls, algo_cfg, sampler_cfg) -> list[str]:
+        """Constraints between this algorithm's config and the sampler's, checked by ``flowgrpo.config.validate``
+        before anything is built: one message per violation, naming the keys."""
+        return []
 
     @property
     def num_steps(self) -> int:
@@ -177,21 +286,41 @@ class Algorithm:
         """Phase 1: this iteration's rollout plan for ``num_prompts × group_size`` rows."""
         raise NotImplementedError
 
+    def trained_steps(self) -> tuple[int, str]:
+        """``(K, note)``: steps each sample trains per inner epoch (every plan's ``trained_per_row``), and why, for
+        the start-up banner; the trainer accumulates gradients over micro-batches × K."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def sampling_policy(self, ctx: UpdateContext) -> Iterator[None]:
+        """Phase 2 runs inside this context: the weights the rollout samples with. The trained weights, unless
+        the algorithm samples from a policy of its own (DiffusionNFT's old policy)."""
+        yield
+
     def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         """Phase 4: ``group_advantages(rewards, G, global_std=algo.global_std, clip=algo.adv_clip)``."""
-        return group_advantages(rewards, group_size, global_std=self.global_std, clip=self.adv_clip)
+        return group_advantages(rewards, group_size, global_std=self.cfg.global_std, clip=self.cfg.adv_clip)
 
-    def loss_weights(self, plan: RolloutPlan, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        """Phase 5: a float32 weight per trained transition ``(rows[i], steps[i])`` (indices into ``plan``).
-        1 unless the algorithm rectifies (Flash-GRPO)."""
-        rows, steps = self._check_transitions(plan, rows, steps)
-        return torch.ones(rows.shape, dtype=torch.float32)
+    def loss(self, ctx: UpdateContext, batch: Batch, rows: torch.Tensor,
+             steps: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Phase 5: the loss of one micro-batch at one trained step per row.
 
-    def end_iteration(self) -> None:
-        """Called once after each iteration's update (MixGRPO moves its window)."""
+        Args:
+            ctx: the model access (:class:`UpdateContext`).
+            batch: this process's rollouts, advantages included.
+            rows: ``[b]`` rows of ``batch``; steps: ``[b]`` one trained step of each (``batch.plan.train_mask``).
+
+        Returns:
+            ``(loss, info)``: a 0-d tensor to backpropagate, and scalars to log (floats or 0-d tensors).
+        """
+        raise NotImplementedError
+
+    def end_iteration(self, ctx: UpdateContext | None = None) -> None:
+        """Called once after each iteration's update (MixGRPO moves its window; DiffusionNFT moves its old
+        policy)."""
 
     def state_dict(self) -> dict:
-        """What an exact resume needs (window position, RNG); plain python values."""
+        """What an exact resume needs (window position, old-policy weights)."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
@@ -208,7 +337,7 @@ class Algorithm:
         return f"{self.kernel} kernel ({level}={self.noise_level:g})"
 
     def _adv_text(self) -> str:
-        return f"advantage ({'global' if self.global_std else 'group'} std, clip ±{self.adv_clip:g})"
+        return f"advantage ({'global' if self.cfg.global_std else 'group'} std, clip ±{self.cfg.adv_clip:g})"
 
     def _make_plan(self, sigmas, sde_mask, train_mask, group_size, **info) -> RolloutPlan:
         return RolloutPlan(sigmas=sigmas, sde_mask=sde_mask, train_mask=train_mask, solver=self.solver,
@@ -228,35 +357,32 @@ class Algorithm:
         steps = torch.as_tensor(steps, dtype=torch.long).cpu()
         if rows.shape != steps.shape:
             raise ValueError(f"rows {tuple(rows.shape)} and steps {tuple(steps.shape)} must have the same shape")
-        if rows.numel() and not bool(plan.train_mask[rows, steps].all()):
-            raise ValueError("loss_weights asked for a transition the plan does not train (train_mask is False)")
+        if rows.numel() and not bool(plan.train_mask.flatten(1)[rows, steps].all()):
+            raise ValueError("asked for a step the plan does not train (train_mask is False)")
         return rows, steps
 
 
-def build_algorithm(algo_cfg, sampler_cfg, base_sigmas: torch.Tensor, *, window=None) -> Algorithm:
-    """The :class:`Algorithm` named by ``algo_cfg.name`` (``"grpo"``, ``"mix_grpo"``, ``"flash_grpo"``).
+def build_algorithm(algo_cfg, sampler_cfg, base_sigmas: torch.Tensor) -> Algorithm:
+    """The :class:`Algorithm` named by ``algo_cfg.name`` (``flowgrpo.algorithms.ALGORITHMS``).
 
     Args:
-        algo_cfg: the ``algo`` node (``flowgrpo.config.AlgoConfig``).
-        sampler_cfg: the ``sampler`` node (``flowgrpo.config.SamplerConfig``): kernel, noise level, solver,
-            ``sde`` mode, window, compression.
+        algo_cfg: the ``algo`` node (the algorithm's schema, an ``AlgoConfig`` subclass).
+        sampler_cfg: the ``sampler`` node (``flowgrpo.config.SamplerConfig``): kernel, noise level, solver.
         base_sigmas: ``[sampler.num_steps + 1]`` training schedule (``flowgrpo.build.Sampler.sigmas``: the model
             scheduler's own).
-        window: optional ``samplers.SDEWindow`` to use instead of a new one from ``sampler.window`` — pass
-            ``Sampler.window`` so the run has one window object whichever handle moves or saves it.
 
     Errors name the config key to change.
     """
-    from . import flash_grpo, grpo, mix_grpo  # noqa: F401  (register the algorithms)
-    from ..config import validate
+    from ..config import ConfigError, algo_schema, validate
 
-    validate(algo_cfg)
     validate(sampler_cfg)
-    name = algo_cfg.name
-    if name not in ALGORITHMS:
-        raise ValueError(f"algo.name={name!r} is not one of {', '.join(sorted(ALGORITHMS))}")
+    algo_schema(algo_cfg.name)  # an unknown name names algo.name and the registered ones
+    validate(algo_cfg)
+    errors = ALGORITHMS[algo_cfg.name].check_config(algo_cfg, sampler_cfg)
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     sigmas = torch.as_tensor(base_sigmas, dtype=torch.float32)
     if sigmas.ndim != 1 or sigmas.shape[0] != sampler_cfg.num_steps + 1:
         raise ValueError(f"base_sigmas has shape {tuple(sigmas.shape)}; sampler.num_steps={sampler_cfg.num_steps} "
                          f"needs [{sampler_cfg.num_steps + 1}] (build it with flowgrpo.build.build_sampler)")
-    return ALGORITHMS[name].from_config(algo_cfg, sampler_cfg, sigmas, window=window)
+    return ALGORITHMS[algo_cfg.name].from_config(algo_cfg, sampler_cfg, sigmas)

@@ -1,61 +1,76 @@
 """Flash-GRPO (arXiv 2605.15980): iso-temporal single SDE step per prompt, temporal gradient rectification.
 
-* **Iso-temporal grouping.** Per prompt ``p`` draw ``k_p ~ U{0 … K−1}`` (``K = algo.flash.max_step``, default
+* **Iso-temporal grouping.** Per prompt ``p`` draw ``k_p ~ U{0 … K−1}`` (``K = algo.max_step``, default
   the first half of the steps; ``samplers.flash_plan``) from the plan's generator. All ``G`` rollouts of ``p``
   (different initial noise) are ODE everywhere except one SDE step at ``k_p`` (``samplers.single_step_mask``);
   that one transition is stored and trained: one forward+backward per sample per iteration.
 * **Advantages** ``(r_i − mean_p)/(std over the whole batch + 1e-4)``, clipped ±5 — ``algo.global_std`` is
-  ``true`` in ``conf/algo/flash_grpo.yaml``, as the paper.
+  on by default, as the paper.
 * **Rectification.** ``∂ log π/∂v = −λ_k·ξ`` grows with λ_k, so steps with a large λ dominate the gradient;
   each transition is weighted ``w_i = (1/λ_{k_i}) / mean_batch(1/λ_k)`` (``samplers.rectification_weights``, λ of
   the active kernel via ``samplers.kernel_lambda``). The mean runs over every sample of the plan's global batch
   and is fixed at plan time, so neither the split over processes nor micro-batching changes a weight.
 
-``sampler.sde`` (and a MixGRPO window / compression) is ignored: Flash-GRPO places its own SDE step. The
-sampler still gives the schedule, kernel, noise level and the ODE solver.
+Flash-GRPO places its own SDE step; the sampler gives the schedule, kernel, noise level and the ODE solver.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from samplers import flash_plan, kernel_lambda, single_step_mask
 
-from .base import Algorithm, RolloutPlan
+from ..config import _knob
+from .base import RolloutPlan
+from .policy_gradient import PolicyGradient, PolicyGradientConfig
 
-__all__ = ["FlashGRPO"]
+__all__ = ["FlashGRPOConfig", "FlashGRPO"]
 
 
-class FlashGRPO(Algorithm):
+@dataclass
+class FlashGRPOConfig(PolicyGradientConfig):
+    """``algo=flash_grpo``: the paper's defaults."""
+
+    clip_range: float = _knob(1e-3, gt=0)  # Flash-GRPO's epsilon (per-element mean log-prob)
+    global_std: bool = True  # (r - mean_prompt) / std over the whole batch
+    max_step: Optional[int] = _knob(None, ge=1)  # K: k_p ~ U{0..K-1}; null = the first half of sampler.num_steps
+    rectify: bool = True  # weight each transition by (1/lambda_k)/mean(1/lambda): equal gradient scale across steps
+
+
+class FlashGRPO(PolicyGradient):
     """Flash-GRPO. See the module docstring.
 
     Args:
         base_sigmas: ``[T+1]`` schedule.
-        max_step: ``K``; ``None`` = ``max(1, T // 2)``.
-        rectify: weight transitions by ``(1/λ)/mean(1/λ)``; else 1.
-        global_std: advantages over the batch std (default, as the paper).
-        **kwargs: :class:`~flowgrpo.algorithms.base.Algorithm`'s.
+        **kwargs: the sampler's kernel / noise level / solver, and fields of :class:`FlashGRPOConfig`
+            (``max_step``: ``K``, ``None`` = ``max(1, T // 2)``; ``rectify``).
     """
 
     name = "flash_grpo"
+    config_class = FlashGRPOConfig
 
-    def __init__(self, base_sigmas: torch.Tensor, *, max_step: int | None = None, rectify: bool = True,
-                 global_std: bool = True, **kwargs) -> None:
-        super().__init__(base_sigmas, global_std=global_std, **kwargs)
+    def __init__(self, base_sigmas: torch.Tensor, **kwargs) -> None:
+        super().__init__(base_sigmas, **kwargs)
         T = self.num_steps
-        k_max = max_step if max_step is not None else max(1, T // 2)
+        k_max = self.cfg.max_step if self.cfg.max_step is not None else max(1, T // 2)
         if not 1 <= k_max <= T:
-            raise ValueError(f"algo.flash.max_step={k_max} must be in [1, sampler.num_steps={T}]")
+            raise ValueError(f"algo.max_step={k_max} must be in [1, sampler.num_steps={T}]")
         if self.kernel == "cps" and not float(self.base_sigmas[k_max]) > 0:
-            raise ValueError(f"algo.flash.max_step={k_max} lets k_p reach the final step into sigma'=0, where the "
-                             f"cps kernel has no density: set algo.flash.max_step <= {T - 1}")
+            raise ValueError(f"algo.max_step={k_max} lets k_p reach the final step into sigma'=0, where the "
+                             f"cps kernel has no density: set algo.max_step <= {T - 1}")
         self.max_step = k_max
-        self.rectify = bool(rectify)
 
     @classmethod
-    def from_config(cls, algo_cfg, sampler_cfg, base_sigmas, *, window=None) -> "FlashGRPO":
-        return cls(base_sigmas, max_step=algo_cfg.flash.max_step, rectify=bool(algo_cfg.flash.rectify),
-                   **cls._common_kwargs(algo_cfg, sampler_cfg))
+    def check_config(cls, algo_cfg, sampler_cfg) -> list[str]:
+        if algo_cfg.max_step is not None and algo_cfg.max_step > sampler_cfg.num_steps:
+            return [f"algo.max_step={algo_cfg.max_step} exceeds sampler.num_steps={sampler_cfg.num_steps}"]
+        return []
+
+    def trained_steps(self) -> tuple[int, str]:
+        return 1, "algo=flash_grpo: one SDE step k_p per prompt"
 
     def plan(self, num_prompts: int, group_size: int, *, generator: torch.Generator | None = None) -> RolloutPlan:
         self._check_batch(num_prompts, group_size)
@@ -73,9 +88,9 @@ class FlashGRPO(Algorithm):
     def loss_weights(self, plan: RolloutPlan, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """``w = (1/λ_k) / mean_batch(1/λ)`` at ``(rows, steps)`` (``samplers.rectification_weights`` over the
         plan's whole batch, whatever slice of it ``plan`` and ``rows`` cover); ones without
-        ``algo.flash.rectify``."""
+        ``algo.rectify``."""
         rows, steps = self._check_transitions(plan, rows, steps)
-        if not self.rectify:
+        if not self.cfg.rectify:
             return torch.ones(rows.shape, dtype=torch.float32)
         norm = plan.info.get("inv_lambda_mean")
         if norm is None:  # a plan made elsewhere: normalise over its own trained transitions
@@ -85,4 +100,4 @@ class FlashGRPO(Algorithm):
     def describe(self) -> str:
         return (f"flash_grpo (Flash-GRPO): one SDE step per prompt, k_p ~ U{{0..{self.max_step - 1}}} of "
                 f"{self.num_steps} steps, {self._kernel_text()}, ODE elsewhere ({self.solver}); gradient "
-                f"rectification {'on' if self.rectify else 'off'}; {self._adv_text()}")
+                f"rectification {'on' if self.cfg.rectify else 'off'}; {self._adv_text()}")

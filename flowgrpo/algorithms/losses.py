@@ -3,27 +3,27 @@
 ``ρ = exp(log π_θ − log π_old)`` per trained transition; ``L = mean(w · max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε)))``.
 This is the PPO-clip surrogate of Flow-GRPO (arXiv 2505.05470) / DanceGRPO (arXiv 2505.07818) / MixGRPO
 (arXiv 2507.21802), with per-transition weights ``w`` for Flash-GRPO's temporal gradient rectification
-(arXiv 2605.15980). The KL term is the trainer's (``samplers.sde_kl``), added as ``β·KL``.
+(arXiv 2605.15980). The KL term (``samplers.sde_kl``) is added as ``β·KL`` by ``policy_gradient.PolicyGradient``.
 
-Log-prob reduction — why the anchors' clip ranges are 1e-4…1e-5
+Log-prob reduction — why the published clip ranges are 1e-4…1e-5
 -----------------------------------------------------------------
 ``samplers.sde_step`` returns the exact log-density **summed** over the ``D`` latent elements of a sample.
-The anchors instead take the **mean** over elements (Flow-GRPO's ``sd3_sde_with_logprob.py``:
+The published trainers instead take the **mean** over elements (Flow-GRPO's ``sd3_sde_with_logprob.py``:
 ``log_prob.mean(dim=tuple(range(1, ndim)))``), i.e. ``sum / D`` (constants included; they cancel in the
 ratio). Then
 
 * ``log ρ_mean = log ρ_sum / D``: the same policy change moves the mean-ratio ``D`` times less
   (``D = 16·64·64 = 65 536`` for SD3 at 512 px). A clip range ``ε`` on the mean ratio is a window of about
-  ``±ε·D`` on the log of the exact ratio: Flow-GRPO's ``1e-4`` at 512 px ≈ ±6.5 — which is why the anchors'
+  ``±ε·D`` on the log of the exact ratio: Flow-GRPO's ``1e-4`` at 512 px ≈ ±6.5 — which is why their
   ``ε`` is 1e-4…1e-5 and not PPO's usual 0.2, and why it must be re-tuned when ``algo.logprob_reduction`` or
   the latent size changes (with "sum", an ``ε`` near PPO's 0.1–0.2 is the comparable choice).
 * The policy gradient shrinks by the same ``1/D`` (near ρ = 1, ``∇ρ_mean = ∇log π_sum / D``). Adam mostly
   absorbs a global scale, but not relative ones: gradient clipping (``trainer.max_grad_norm``) and the balance
   with ``β·KL`` — Flow-GRPO's KL is a per-element mean too, so a summed KL (``samplers.sde_kl``) next to a
-  "mean" policy loss needs ``β`` divided by ``D`` to match the anchors.
+  "mean" policy loss needs ``β`` divided by ``D`` to match them.
 * ``approx_kl`` and ``clip_fraction`` are reported on whichever scale is chosen.
 
-"sum" is the exact likelihood ratio (PPO as written); "mean" reproduces the anchors' hyper-parameters.
+"sum" is the exact likelihood ratio (PPO as written); "mean" reproduces the published hyper-parameters.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def reduce_log_prob(log_prob_sum: torch.Tensor, numel: int, reduction: str) -> t
     Args:
         log_prob_sum: ``[B]`` log π summed over each sample's ``numel`` latent elements.
         numel: ``D``, latent elements per sample (``latents[0].numel()``).
-        reduction: ``"sum"`` — unchanged, the exact density; ``"mean"`` — ``log_prob_sum / D``, the anchors'
-            per-element mean. See the module docstring for what this does to ``algo.clip_range``.
+        reduction: ``"sum"`` — unchanged, the exact density; ``"mean"`` — ``log_prob_sum / D``, the published
+            trainers' per-element mean. See the module docstring for what this does to ``algo.clip_range``.
 
     Apply the same reduction to the rollout's ``log π_old`` and to the training-time ``log π_θ``.
     """

@@ -1,89 +1,130 @@
 """MixGRPO and MixGRPO-Flash (arXiv 2507.21802): SDE and training on a sliding window, ODE elsewhere.
 
-The window ``W(l) = {l, …, l+w−1}`` of ``sampler.window`` (a ``samplers.SDEWindow``) is stochastic and trained;
-every other step is deterministic. :meth:`MixGRPO.end_iteration` counts an iteration and moves the window on
-its schedule; its position and RNG travel in :meth:`MixGRPO.state_dict`.
+The window ``W(l) = {l, …, l+w−1}`` (``algo.window``, a ``samplers.SDEWindow``) is stochastic and trained; every
+other step is deterministic. :meth:`MixGRPO.end_iteration` counts an iteration and moves the window on its
+schedule; its position and RNG travel in :meth:`MixGRPO.state_dict`.
 
-MixGRPO-Flash (``sampler=mix_sde_flash``: ``sampler.solver=dpm++2m``, ``sampler.compress_ratio < 1``): the steps
-after the window are integrated by DPM-Solver++(2M) on ``max(1, ⌊(T−1−l_last)·ratio⌋)`` steps
-(``samplers.compress_tail``); steps up to the window's end are never compressed, so trained step indices are
-those of the full grid.
+MixGRPO-Flash (``algo.compress_ratio < 1``, usually with ``sampler.solver=dpm++2m``; ``experiment=mix_grpo_flash_*``):
+the steps after the window are integrated on ``max(1, ⌊(T−1−l_last)·ratio⌋)`` steps (``samplers.compress_tail``);
+steps up to the window's end are never compressed, so trained step indices are those of the full grid.
 
 Every member of a group sees ODE steps only before the window, so with shared initial noise
-(``algo.shared_noise``) the prefix ``0 … l−1`` is the same for the whole group
-(:meth:`~flowgrpo.algorithms.base.RolloutPlan.shared_prefix`): the trainer integrates it once per prompt
-(the anchor recomputes it G times).
+(``algo.shared_noise``, on by default as in MixGRPO) the prefix ``0 … l−1`` is the same for the whole group
+(:meth:`~flowgrpo.algorithms.base.RolloutPlan.shared_prefix`): the trainer integrates it once per prompt.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Optional
+
 import torch
 
-from samplers import SDEWindow
+from samplers import WINDOW_SCHEDULES, SDEWindow
 
-from .base import Algorithm, RolloutPlan
-from .schedule import SELECTIONS, build_window, rollout_schedule, sde_steps, select_trained, trained_step_count
+from ..config import _knob
+from .grpo import GRPOConfig
+from .policy_gradient import PolicyGradient
+from .schedule import rollout_schedule, select_trained, trained_step_count
 
-__all__ = ["MixGRPO"]
+__all__ = ["WindowConfig", "MixGRPOConfig", "MixGRPO", "default_window_size"]
 
 
-class MixGRPO(Algorithm):
+@dataclass
+class WindowConfig:
+    """MixGRPO's sliding SDE window; mirrors ``samplers.SDEWindow``'s arguments."""
+
+    size: Optional[int] = _knob(None, ge=1)  # w: SDE (and trained) steps per rollout; null = 4 of 25 scaled to T
+    shift_interval: int = _knob(25, ge=1)  # tau: iterations between window moves
+    stride: int = _knob(1, ge=1)  # s: steps the window moves each time
+    schedule: str = _knob("progressive", choices=WINDOW_SCHEDULES)  # how the window moves
+    start: int = _knob(0, ge=0)  # first window position l
+    seed: int = 0  # RNG of the "random" schedule (saved with the window state)
+    decay_rate: float = _knob(0.1, ge=0)  # k of exp_decay / slope of linear_decay on tau
+    decay_threshold: int = _knob(0, ge=0)  # l_thr: window position where the interval starts decaying
+    min_interval: int = _knob(1, ge=1)  # floor of the decayed interval
+
+
+@dataclass
+class MixGRPOConfig(GRPOConfig):
+    """``algo=mix_grpo``: MixGRPO's defaults (no KL, shared noise, window of 4 in 25 steps)."""
+
+    kl_beta: float = _knob(0.0, ge=0)  # MixGRPO (after DanceGRPO) trains without a KL term
+    shared_noise: bool = True  # one initial noise per group: the ODE prefix before the window is computed once
+    window: WindowConfig = field(default_factory=WindowConfig)  # the sliding SDE window
+    compress_ratio: float = _knob(1.0, gt=0, le=1)  # MixGRPO-Flash: keep this fraction of the steps after the window
+
+
+def default_window_size(num_steps: int) -> int:
+    """MixGRPO's window of 4 in 25 steps, scaled to ``num_steps``: ``max(1, round(4·T/25))`` (2 of 10)."""
+    return max(1, round(4 * num_steps / 25))
+
+
+class MixGRPO(PolicyGradient):
     """GRPO on MixGRPO's sliding SDE window. See the module docstring.
 
     Args:
         base_sigmas: ``[T+1]`` schedule.
-        window: the ``samplers.SDEWindow`` (stateful; moved by :meth:`end_iteration`).
-        compress_ratio: MixGRPO-Flash's post-window compression (1 = none); needs ``solver="dpm++2m"``.
-        selection: which window steps ``timestep_fraction < 1`` trains (see :mod:`.grpo`).
-        **kwargs: :class:`~flowgrpo.algorithms.base.Algorithm`'s.
+        window: an ``SDEWindow`` to use instead of one built from ``algo.window``.
+        **kwargs: the sampler's kernel / noise level / solver, and fields of :class:`MixGRPOConfig`.
     """
 
     name = "mix_grpo"
+    config_class = MixGRPOConfig
 
-    def __init__(self, base_sigmas: torch.Tensor, *, window: SDEWindow, compress_ratio: float = 1.0,
-                 selection: str = "random", **kwargs) -> None:
+    def __init__(self, base_sigmas: torch.Tensor, *, window: SDEWindow | None = None, **kwargs) -> None:
         super().__init__(base_sigmas, **kwargs)
+        if window is None:
+            w = self.cfg.window
+            if isinstance(w, dict):
+                w = WindowConfig(**w)
+                self.cfg.window = w
+            size = w.size if w.size is not None else default_window_size(self.num_steps)
+            try:
+                window = SDEWindow(self.num_steps, size=size, shift_interval=w.shift_interval, stride=w.stride,
+                                   schedule=w.schedule, start=w.start, seed=w.seed, decay_rate=w.decay_rate,
+                                   decay_threshold=w.decay_threshold, min_interval=w.min_interval)
+            except ValueError as err:
+                raise ValueError(f"algo.window: {err}") from err
         if window.num_steps != self.num_steps:
             raise ValueError(f"the window spans {window.num_steps} steps but sampler.num_steps={self.num_steps}")
-        if not 0 < compress_ratio <= 1:
-            raise ValueError(f"sampler.compress_ratio={compress_ratio} must be in (0, 1]")
-        if compress_ratio < 1 and self.solver != "dpm++2m":
-            raise ValueError("sampler.compress_ratio < 1 compresses the post-window steps for DPM-Solver++: "
-                             "set sampler.solver=dpm++2m (or sampler.compress_ratio=1.0)")
-        if selection not in SELECTIONS:
-            raise ValueError(f"timestep selection {selection!r} is not one of {', '.join(SELECTIONS)}")
         self.window = window
-        self.compress_ratio = float(compress_ratio)
-        self.selection = selection
 
     @classmethod
-    def from_config(cls, algo_cfg, sampler_cfg, base_sigmas, *, window=None) -> "MixGRPO":
-        if sampler_cfg.sde != "window":
-            raise ValueError(
-                f"algo=mix_grpo trains the MixGRPO window but sampler.sde={sampler_cfg.sde!r}: use "
-                "sampler=mix_sde or sampler=mix_sde_flash (sampler.sde=window); for every step use algo=grpo"
-            )
-        window = window if window is not None else build_window(sampler_cfg)
-        return cls(base_sigmas, window=window, compress_ratio=float(sampler_cfg.compress_ratio),
-                   selection=algo_cfg.timestep_selection, **cls._common_kwargs(algo_cfg, sampler_cfg))
+    def check_config(cls, algo_cfg, sampler_cfg) -> list[str]:
+        size = algo_cfg.window.size
+        if size is not None and size > sampler_cfg.num_steps:
+            return [f"algo.window.size={size} exceeds sampler.num_steps={sampler_cfg.num_steps}"]
+        return []
 
     def schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sigmas [T'+1], sde_mask [T'])`` at the window's current position."""
-        mask = sde_steps("window", self.base_sigmas, self.kernel, self.window)
+        mask = self.window.mask().clone()
+        if self.kernel == "cps":  # a CPS step into sigma' = 0 has no density
+            mask &= self.base_sigmas[1:] > 0
         if not bool(mask.any()):
             raise ValueError(f"the window {self.window.positions} holds no stochastic step for the {self.kernel} "
-                             "kernel (its step into sigma'=0 is ODE): widen sampler.window.size")
-        return rollout_schedule(self.base_sigmas, mask, compress_ratio=self.compress_ratio)
+                             "kernel (its step into sigma'=0 is ODE): widen algo.window.size")
+        return rollout_schedule(self.base_sigmas, mask, compress_ratio=self.cfg.compress_ratio)
 
-    def plan(self, num_prompts: int, group_size: int, *, generator: torch.Generator | None = None) -> RolloutPlan:
+    def plan(self, num_prompts: int, group_size: int, *, generator: torch.Generator | None = None):
         rows = self._check_batch(num_prompts, group_size)
         sigmas, mask = self.schedule()
         sde = mask.expand(rows, -1).clone()
-        train = select_trained(sde, self.timestep_fraction, selection=self.selection, generator=generator)
+        train = select_trained(sde, self.cfg.timestep_fraction, selection=self.cfg.timestep_selection,
+                               generator=generator)
         return self._make_plan(sigmas, sde, train, group_size, window_start=self.window.start,
                                rollout_steps=sigmas.shape[0] - 1)
 
-    def end_iteration(self) -> None:
+    def trained_steps(self) -> tuple[int, str]:
+        n = int(self.schedule()[1].sum())
+        note = f"a window of {n} SDE steps"
+        f = self.cfg.timestep_fraction
+        if f < 1:
+            note += f" × algo.timestep_fraction={f:g} ({self.cfg.timestep_selection})"
+        return trained_step_count(n, f), note
+
+    def end_iteration(self, ctx=None) -> None:
         self.window.advance()
 
     def state_dict(self) -> dict:
@@ -95,14 +136,14 @@ class MixGRPO(Algorithm):
     def describe(self) -> str:
         w = self.window
         n = w.size
-        k = trained_step_count(n, self.timestep_fraction)
+        k = self.trained_steps()[0]
         moves = ("frozen" if w.schedule == "frozen"
                  else f"{w.schedule}, every {w.shift_interval} it, stride {w.stride}")
         text = (f"mix_grpo (MixGRPO): SDE window of {n} of {self.num_steps} steps at l={w.start} ({moves}), "
-                f"{self._kernel_text()}, trains {'all' if k == n else f'{k} ({self.selection}) of the'} window "
-                f"steps; ODE elsewhere ({self.solver})")
-        if self.compress_ratio < 1:
+                f"{self._kernel_text()}, trains {'all' if k == n else f'{k} ({self.cfg.timestep_selection}) of the'} "
+                f"window steps; ODE elsewhere ({self.solver})")
+        if self.cfg.compress_ratio < 1:
             steps = self.schedule()[0].shape[0] - 1
-            text += (f", post-window tail compressed ×{self.compress_ratio:g} "
+            text += (f", post-window tail compressed ×{self.cfg.compress_ratio:g} "
                      f"(MixGRPO-Flash; the rollout has {steps} steps now)")
         return f"{text}; {self._adv_text()}"

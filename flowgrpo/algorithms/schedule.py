@@ -1,54 +1,21 @@
-"""Which steps of a rollout are stochastic, on which grid, and which of them are trained — the one place this is
-decided. The algorithms build their :class:`~flowgrpo.algorithms.base.RolloutPlan` from these functions and
-``flowgrpo.build.Sampler`` (schedules for evaluation and previews) delegates to them, so a config means the same
-steps everywhere.
+"""Helpers the algorithms build their :class:`~flowgrpo.algorithms.base.RolloutPlan` from.
 
-* :func:`sde_steps` — ``sampler.sde``: every step (Flow-GRPO / DanceGRPO), MixGRPO's window, or none; a CPS
-  step into σ' = 0 is always ODE (its std ``σ'·sin(aπ/2)`` is 0 there, so it has no density).
-* :func:`rollout_schedule` — MixGRPO-Flash (arXiv 2507.21802): after the last SDE step, DPM-Solver++(2M) on a
-  grid compressed by ``sampler.compress_ratio`` (``samplers.compress_tail``).
+* :func:`rollout_schedule` — MixGRPO-Flash (arXiv 2507.21802): after the last SDE step, the remaining steps on a
+  grid compressed by ``algo.compress_ratio`` (``samplers.compress_tail``).
 * :func:`trained_step_count` — ``algo.timestep_fraction``: ``max(1, ⌊n·f⌋)`` of a rollout's ``n`` SDE steps, as
-  the anchors' ``int(num_steps · timestep_fraction)``.
+  the published trainers' ``int(num_steps · timestep_fraction)``.
 * :func:`select_trained` — which steps those are (random per sample, or the first ones).
-* :func:`build_window` — the ``samplers.SDEWindow`` a ``sampler`` node describes.
 """
 
 from __future__ import annotations
 
 import torch
 
-from samplers import SDEWindow, compress_tail
+from samplers import compress_tail
 
-__all__ = ["SDE_MODES", "SELECTIONS", "sde_steps", "rollout_schedule", "trained_step_count", "select_trained",
-           "build_window"]
+__all__ = ["SELECTIONS", "rollout_schedule", "trained_step_count", "select_trained"]
 
-SDE_MODES = ("all", "window", "none")
 SELECTIONS = ("random", "first")
-
-
-def sde_steps(sde: str, sigmas: torch.Tensor, kernel: str, window: SDEWindow | None = None) -> torch.Tensor:
-    """Bool ``[T]`` of the stochastic steps of a ``T``-step schedule ``sigmas [T+1]`` (``sampler.sde``).
-
-    ``"all"``: every step; ``"window"``: ``window``'s steps now; ``"none"``: no step. For ``kernel="cps"`` a step
-    into σ' = 0 is never stochastic.
-    """
-    steps = int(sigmas.shape[0]) - 1
-    if sde == "all":
-        mask = torch.ones(steps, dtype=torch.bool)
-    elif sde == "window":
-        if window is None:
-            raise ValueError("sampler.sde='window' needs a window (sampler.window)")
-        if window.num_steps != steps:
-            raise ValueError(f"the window spans {window.num_steps} steps but the schedule has {steps} "
-                             "(sampler.num_steps)")
-        mask = window.mask().clone()
-    elif sde == "none":
-        mask = torch.zeros(steps, dtype=torch.bool)
-    else:
-        raise ValueError(f"sampler.sde={sde!r} is not one of {', '.join(SDE_MODES)}")
-    if kernel == "cps":
-        mask &= torch.as_tensor(sigmas[1:], dtype=torch.float32) > 0
-    return mask
 
 
 def rollout_schedule(
@@ -67,8 +34,8 @@ def rollout_schedule(
 def trained_step_count(num_sde: int, fraction: float = 1.0) -> int:
     """Trained steps of a rollout with ``num_sde`` SDE steps: ``max(1, int(num_sde·fraction))``, 0 when none.
 
-    ``int`` (floor) as the anchors' ``int(num_steps * timestep_fraction)`` (Flow-GRPO, DanceGRPO, MixGRPO) and
-    ``flowgrpo.build.batch_plan``'s banner."""
+    ``int`` (floor) as the published trainers' ``int(num_steps * timestep_fraction)`` (Flow-GRPO, DanceGRPO,
+    MixGRPO)."""
     if not 0 < fraction <= 1:
         raise ValueError(f"algo.timestep_fraction={fraction} must be in (0, 1]")
     return 0 if num_sde == 0 else max(1, int(num_sde * fraction))
@@ -106,19 +73,3 @@ def select_trained(
     rank = torch.empty_like(order)
     rank.scatter_(1, order, torch.arange(steps).expand(rows, steps))
     return sde_mask & (rank < keep.unsqueeze(1))
-
-
-def build_window(sampler) -> SDEWindow | None:
-    """The ``samplers.SDEWindow`` of a ``sampler`` node when ``sampler.sde == "window"``, else ``None``; its
-    errors name ``sampler.window``."""
-    if sampler.sde != "window":
-        return None
-    w = sampler.window
-    try:
-        return SDEWindow(
-            sampler.num_steps, size=w.size, shift_interval=w.shift_interval, stride=w.stride,
-            schedule=w.schedule, start=w.start, seed=w.seed, decay_rate=w.decay_rate,
-            decay_threshold=w.decay_threshold, min_interval=w.min_interval,
-        )
-    except ValueError as err:
-        raise ValueError(f"sampler.window: {err}") from err

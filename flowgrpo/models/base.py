@@ -119,6 +119,7 @@ class FlowAdapter:
     pipeline_class: ClassVar[type[DiffusionPipeline]]
     family: ClassVar[str]
     is_video: ClassVar[bool] = False
+    per_frame_sigmas: ClassVar[bool] = False  # velocity takes sigma [B, F]: one noise level per latent frame
     _registry: ClassVar[dict[str, type["FlowAdapter"]]] = {}
 
     def __init_subclass__(cls, **kwargs):
@@ -332,9 +333,10 @@ class FlowAdapter:
 
     # ------------------------------------------------------------------ velocity
     def _forward(
-        self, x: torch.Tensor, timestep: torch.Tensor, cond: PromptEmbeds, guidance_scale: float
+        self, x: torch.Tensor, timestep: torch.Tensor, cond: PromptEmbeds, guidance_scale: float, *,
+        transformer: torch.nn.Module,
     ) -> torch.Tensor:
-        """One transformer forward on `x` (model dtype) at per-sample `timestep` (in [0, num_train_timesteps])."""
+        """One forward of `transformer` on `x` (model dtype) at per-sample `timestep` (in [0, num_train_timesteps])."""
         raise NotImplementedError
 
     def velocity(
@@ -344,6 +346,7 @@ class FlowAdapter:
         cond: PromptEmbeds,
         *,
         guidance_scale: float = 1.0,
+        transformer: torch.nn.Module | None = None,
         **kwargs,
     ) -> torch.Tensor:
         r"""
@@ -353,10 +356,14 @@ class FlowAdapter:
 
         Args:
             x (`torch.Tensor`): latents `[B, ...]` in the layout of `prepare_noise`.
-            sigma (`float` or `torch.Tensor`): noise level, a scalar or one per sample `[B]`.
+            sigma (`float` or `torch.Tensor`): noise level: a scalar, one per sample `[B]`, or — for video families
+                with `per_frame_sigmas` (Wan) — one per sample and latent frame `[B, F]` (streaming generation
+                denoises frames at different levels).
             cond (`PromptEmbeds`): `len(cond) == B`; must hold negative embeddings when CFG is active.
             guidance_scale (`float`, defaults to 1.0): CFG scale; with `> 1` the unconditional and conditional
                 branches run in ONE batched forward and v = v_u + g·(v_c − v_u).
+            transformer (`torch.nn.Module`, *optional*): the denoiser to call instead of the adapter's own — e.g. a
+                frozen reference copy for a KL term; defaults to `self.transformer`.
             kwargs: family-specific guidance options (FLUX: `true_cfg_scale`).
 
         Returns:
@@ -366,14 +373,22 @@ class FlowAdapter:
         if len(cond) != batch:
             raise ValueError(f"cond has {len(cond)} prompts for a batch of {batch} latents.")
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
-        sigma = sigma.expand(batch) if sigma.ndim == 0 else sigma.reshape(batch)
+        if sigma.ndim == 2 and sigma.shape[0] == batch and sigma.shape[1] > 1:
+            if not self.per_frame_sigmas:
+                raise ValueError(f"{type(self).__name__} takes one sigma per sample, got sigma of shape "
+                                 f"{tuple(sigma.shape)}; per-frame sigmas [B, F] need a video family (wan).")
+            if sigma.shape[1] != x.shape[2]:
+                raise ValueError(f"per-frame sigma has {sigma.shape[1]} frames, the latents {x.shape[2]}.")
+        else:
+            sigma = sigma.expand(batch) if sigma.ndim == 0 else sigma.reshape(batch)
         # The pipelines feed `scheduler.timesteps = sigmas * num_train_timesteps` (float32); same op, same bits.
         timestep = sigma * self.num_train_timesteps
         x_in = x.to(self.dtype)
         cfg = self._cfg_active(guidance_scale, **kwargs)
         if cfg:
             x_in, timestep, cond = torch.cat([x_in, x_in]), torch.cat([timestep, timestep]), cond.for_cfg()
-        v = self._forward(x_in, timestep, cond, guidance_scale=guidance_scale, **kwargs).float()
+        module = self.transformer if transformer is None else transformer
+        v = self._forward(x_in, timestep, cond, guidance_scale=guidance_scale, transformer=module, **kwargs).float()
         if cfg:
             v_uncond, v_cond = v.chunk(2)
             v = v_uncond + self._cfg_scale(guidance_scale, **kwargs) * (v_cond - v_uncond)

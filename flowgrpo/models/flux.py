@@ -88,7 +88,7 @@ class FluxAdapter(FlowAdapter):
         scale = self.pipe.vae_scale_factor
         return (batch_size, self.pipe.transformer.config.in_channels // 4, height // scale, width // scale)
 
-    def _forward(self, x, timestep, cond, guidance_scale, true_cfg_scale: float = 1.0) -> torch.Tensor:
+    def _forward(self, x, timestep, cond, guidance_scale, true_cfg_scale: float = 1.0, *, transformer) -> torch.Tensor:
         batch, channels, height, width = x.shape
         dtype, device = x.dtype, x.device
         guidance = None
@@ -97,7 +97,7 @@ class FluxAdapter(FlowAdapter):
         packed = FluxPipeline._pack_latents(x, batch, channels, height, width)
         img_ids = FluxPipeline._prepare_latent_image_ids(batch, height // 2, width // 2, device, dtype)
         txt_ids = torch.zeros(cond.prompt_embeds.shape[1], 3, device=device, dtype=cond.prompt_embeds.dtype)
-        out = self.transformer(
+        out = transformer(
             hidden_states=packed,
             # FLUX's transformer multiplies by 1000 itself; the pipeline rounds t to the latents' dtype first.
             timestep=timestep.to(dtype) / 1000,

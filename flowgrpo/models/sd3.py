@@ -70,8 +70,8 @@ class SD3Adapter(FlowAdapter):
         scale = self.pipe.vae_scale_factor
         return (batch_size, self.pipe.transformer.config.in_channels, height // scale, width // scale)
 
-    def _forward(self, x, timestep, cond, guidance_scale) -> torch.Tensor:
-        return self.transformer(
+    def _forward(self, x, timestep, cond, guidance_scale, *, transformer) -> torch.Tensor:
+        return transformer(
             hidden_states=x,
             timestep=timestep,
             encoder_hidden_states=cond.prompt_embeds,

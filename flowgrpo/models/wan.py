@@ -32,6 +32,7 @@ class WanAdapter(FlowAdapter):
     pipeline_class = WanPipeline
     family = "wan"
     is_video = True
+    per_frame_sigmas = True
 
     def __init__(self, pipe: WanPipeline):
         if getattr(pipe, "transformer_2", None) is not None or pipe.transformer is None:
@@ -65,12 +66,18 @@ class WanAdapter(FlowAdapter):
         channels = self.pipe.transformer.config.in_channels
         return (batch_size, channels, (num_frames - 1) // temporal + 1, height // spatial, width // spatial)
 
-    def _forward(self, x, timestep, cond, guidance_scale) -> torch.Tensor:
-        if self.pipe.config.get("expand_timesteps", False):
+    def _forward(self, x, timestep, cond, guidance_scale, *, transformer) -> torch.Tensor:
+        if timestep.ndim == 2:
+            # One timestep per latent frame [B, F]: each frame's patches (patch_size (1, p, q)) share it. The
+            # transformer embeds per-token timesteps [B, F·(h/p)·(w/q)] (its Wan 2.2 path), tokens frame-major.
+            _, patch_h, patch_w = transformer.config.patch_size
+            per_frame = (x.shape[-2] // patch_h) * (x.shape[-1] // patch_w)
+            timestep = timestep.repeat_interleave(per_frame, dim=1)
+        elif self.pipe.config.get("expand_timesteps", False):
             # Wan 2.2 TI2V: one timestep per latent token (2x2 patches), as the pipeline's mask[:, ::2, ::2].
             tokens = x[0, 0, :, ::2, ::2].numel()
             timestep = timestep[:, None].expand(-1, tokens)
-        return self.transformer(
+        return transformer(
             hidden_states=x,
             timestep=timestep,
             encoder_hidden_states=cond.prompt_embeds,
