@@ -1,10 +1,10 @@
-"""Group-relative advantages (DESIGN.md phase 4), shared by every GRPO-style algorithm.
+"""Group-relative advantages (phase 4 of ``flowgrpo.trainer``), shared by every GRPO-style algorithm.
 
-``A_i = clip((r_i − mean_group)/(std + eps), −clip, clip)`` (MATH.md, "GRPO update"), where the rows
+``A_i = clip((r_i − mean_group)/(std + eps), −clip, clip)``, where the rows
 ``p·G … p·G+G−1`` of a batch form group ``p`` (the trainer lays rollouts out so) and ``std`` is the group's
 or, with ``global_std``, the whole batch's (Flash-GRPO, arXiv 2605.15980; Flow-GRPO's ``global_std``).
 
-Reference choices, read in the anchors' code:
+Reference choices, read in the published trainers' code:
 
 * **std is the population std (ddof 0).** Flow-GRPO (arXiv 2505.05470, ``flow_grpo/stat_tracking.py``,
   ``PerPromptStatTracker.update``) uses ``np.std`` — ddof 0 — plus ``1e-4``, per prompt or, with
@@ -16,9 +16,9 @@ Reference choices, read in the anchors' code:
 * **Zero-spread groups give exactly 0** (not a rounding error of their mean divided by 1e-4), so ``A == 0``
   reliably marks samples that carry no signal (Flow-GRPO drops all-zero-advantage samples before training).
 * Multi-reward (DanceGRPO / MixGRPO, arXiv 2507.21802, ``multi_reward_mix=advantage_aggr``): one group
-  advantage per reward component, summed with weights, clipped once at the end (the anchors clip in the
+  advantage per reward component, summed with weights, clipped once at the end (their code clips in the
   training step, after aggregation). MixGRPO uses raw weights (all 1.0); we normalise them to sum to 1
-  (MATH.md) so adding a reward does not scale the advantage and with it the effective learning rate.
+  so adding a reward does not scale the advantage and with it the effective learning rate.
 """
 
 from __future__ import annotations

@@ -365,7 +365,7 @@ def build_logger(logger: DictConfig, *, output_dir: str | os.PathLike | None = N
 
 @dataclass
 class BatchPlan:
-    """The batch arithmetic of one iteration (STYLE.md pattern 2); all counts are per iteration."""
+    """The batch arithmetic of one iteration; all counts are per iteration."""
 
     num_processes: int
     prompts: int  # N, global

@@ -32,7 +32,7 @@ def resolve_output_dir(cfg: DictConfig) -> Path:
 
 def _shared_output_dir(cfg: DictConfig, accelerator) -> Path:
     """Every process composes its own config and would pick its own timestamped Hydra dir: rank 0 chooses, the
-    others receive its choice (PITFALLS.md)."""
+    others receive its choice."""
     from accelerate.utils import broadcast_object_list
 
     chosen = [str(resolve_output_dir(cfg)) if accelerator.is_main_process else None]

@@ -1,4 +1,4 @@
-"""Sample galleries: what the policy generates, next to what the reward said (STYLE.md pattern 7).
+"""Sample galleries: what the policy generates, next to what the reward said.
 
 >>> gallery = Gallery(run_dir, wandb_run=logger.run)          # logger.run is None with logger=none  # doctest: +SKIP
 >>> gallery.log(step, prompts, images, rewards=out.scores, components=out.components,

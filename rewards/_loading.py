@@ -1,6 +1,6 @@
 """Loading helpers shared by rewards with learned weights: device / dtype resolution, and loaders whose errors
-say what to fetch and which keyword to set (DESIGN.md: "a reward that cannot load its weights raises an error
-saying which path / hub id / package it needs").
+say what to fetch and which keyword to set (the rule: a reward that cannot load its weights raises an error
+saying which path / hub id / package it needs).
 
 Nothing here imports transformers or open_clip at module import: ``import rewards`` stays light.
 """
@@ -85,7 +85,7 @@ def from_pretrained(loader: Callable[..., Any], source: str, *, reward: str, wha
 
 def check_tokenizer(tokenizer, source: str, *, reward: str, kwarg: str, minimum: int = 256,
                     example: str | None = None) -> None:
-    """Fail loudly on a near-empty tokenizer (PITFALLS: some tokenizer classes load one for a missing hub id)."""
+    """Fail loudly on a near-empty tokenizer (some tokenizer classes load one for a missing hub id)."""
     if len(tokenizer) < minimum:
         raise MissingWeightsError(reward, "tokenizer", source, kwarg, example=example,
                                   reason=f"it loaded with only {len(tokenizer)} tokens, so its files are missing")

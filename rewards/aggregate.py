@@ -1,4 +1,4 @@
-"""Multi-reward aggregation over the per-component rewards of GRPO groups (MATH.md, "MixGRPO" and "TaRoS").
+"""Multi-reward aggregation over the per-component rewards of GRPO groups.
 
 Three ways to turn the components ``{name: [N]}`` of a batch (rows ``p·G … p·G+G−1`` form group ``p``) into one
 training signal, usable without a trainer:
@@ -10,8 +10,8 @@ training signal, usable without a trainer:
   ``multi_reward_mix=advantage_aggr``). Same numbers as ``flowgrpo.advantages.weighted_advantages`` (population
   std, ``+1e-4``, zero-spread groups exactly 0), which may delegate here; this module never imports ``flowgrpo``.
 * :class:`TaRoS` — saturation-aware per-component normalisation, intra-group sparsity and ranking-preserving
-  aggregation, after arXiv 2511.19356v2. **[ours]**: the paper was not reachable; this is our formulation of
-  MATH.md's TaRoS section, with the choices below marked as ours.
+  aggregation, after arXiv 2511.19356v2. **[ours]**: the paper was not reachable; this is our own formulation
+  of it, with the choices below marked as ours.
 
 >>> import torch
 >>> R = {"a": torch.tensor([0.0, 1.0, 2.0, 2.0]), "b": torch.tensor([1.0, 0.0, 5.0, 5.0])}
@@ -90,7 +90,7 @@ def per_reward_group_advantages(
 ) -> torch.Tensor:
     """``clip(Σ_k ŵ_k·A_k, ±clip)``, ``A_k = (r_k − mean_group)/(std + eps)`` per component, ``ŵ_k = w_k/Σ_j w_j``.
 
-    DanceGRPO / MixGRPO's ``advantage_aggr`` with the weights normalised (MATH.md), so adding a reward does not
+    DanceGRPO / MixGRPO's ``advantage_aggr`` with the weights normalised, so adding a reward does not
     rescale the advantage. Stds are population stds (ddof 0), per group or, with ``global_std``, over all ``N``
     rewards of the component; a component whose group has no spread contributes exactly 0 there. Float32 ``[N]``.
     """
@@ -115,7 +115,7 @@ def per_reward_group_advantages(
 class TaRoS:
     """TaRoS multi-reward advantages (after arXiv 2511.19356v2; **[ours]**, the paper was not reachable).
 
-    For each group's rewards ``R ∈ ℝ^{G×K}`` (MATH.md, "TaRoS"):
+    For each group's rewards ``R ∈ ℝ^{G×K}``:
 
     1. per component ``μ_k``, ``σ_k`` over the group (population std); ``σ̄_k`` a running EMA over training of
        the batch-mean of ``σ_k``;

@@ -1,4 +1,4 @@
-"""The reward contract shared by every reward model (see DESIGN.md, "rewards").
+"""The reward contract shared by every reward model.
 
 A reward is a callable ``reward(images, prompts, metadata=None) -> RewardOutput``. ``images`` is a float
 tensor ``[B, 3, H, W]`` in [0, 1], a uint8 tensor, or a list of PIL images; videos are ``[B, T, 3, H, W]``.

@@ -1,7 +1,7 @@
 """ImageReward (Xu et al., "ImageReward: Learning and Evaluating Human Preferences for Text-to-Image Generation",
 arXiv 2304.05977), rebuilt on transformers' BLIP modules.
 
-The ``image-reward`` package does not import under transformers 5 (PITFALLS.md), so its architecture is rebuilt
+The ``image-reward`` package does not import under transformers 5, so its architecture is rebuilt
 here from ``ImageReward/ImageReward.py`` and ``models/BLIP/*`` (github THUDM/ImageReward) [code]:
 
 - image encoder: BLIP's ViT-L/16 at 224 (``create_vit('large', 224)``: width 1024, depth 24, 16 heads, MLP 4096,

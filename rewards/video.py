@@ -101,7 +101,7 @@ def _select_frames(video: torch.Tensor, num_frames: int | None) -> torch.Tensor:
 
 
 def _features(out) -> torch.Tensor:
-    """transformers 5 returns an output object from get_*_features (PITFALLS): the embedding is pooler_output."""
+    """transformers 5 returns an output object from get_*_features: the embedding is pooler_output."""
     return out if isinstance(out, torch.Tensor) else out.pooler_output
 
 
@@ -117,7 +117,7 @@ class _Clip:
         self.model = from_pretrained(CLIPModel.from_pretrained, path, **load, **kw).to(device).eval()
         self.tokenizer = from_pretrained(AutoTokenizer.from_pretrained, path, **load)
         self.processor = from_pretrained(AutoImageProcessor.from_pretrained, path, **load)
-        check_tokenizer(self.tokenizer, path, reward=reward, kwarg=kwarg)  # PITFALLS: near-empty when missing
+        check_tokenizer(self.tokenizer, path, reward=reward, kwarg=kwarg)  # near-empty when its files are missing
         self.device = device
 
     @torch.no_grad()

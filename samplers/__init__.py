@@ -1,6 +1,6 @@
 """Flow-matching samplers with exact log-probabilities. Pure torch: imports nothing else of the project.
 
-Public contracts (DESIGN.md): :func:`flow_sigmas`, :class:`StepOutput`, :func:`sde_step`, :func:`ode_step`,
+Public contracts: :func:`flow_sigmas`, :class:`StepOutput`, :func:`sde_step`, :func:`ode_step`,
 :func:`rollout` / :class:`Trajectory`, stateful chunk-by-chunk generation :func:`chunked_rollout`; plus MixGRPO's :class:`SDEWindow` and Flash-GRPO's :func:`flash_plan`.
 """
 

@@ -1,4 +1,4 @@
-"""Sigma schedules of rectified-flow samplers (MATH.md, "Notation").
+"""Sigma schedules of rectified-flow samplers (notation as in ``samplers/steps.py``).
 
 ``flow_sigmas`` reproduces ``FlowMatchEulerDiscreteScheduler.set_timesteps`` exactly, including diffusers'
 habit of shifting the scheduler's ``sigma_min`` twice, so a rollout over our sigmas visits the very same

@@ -2,7 +2,6 @@
 
 DPM-Solver++(2M) in the data (x₀) parametrisation, as MixGRPO-Flash (arXiv 2507.21802) uses after the SDE
 window. For rectified flow ``α = 1−σ`` and ``λ = log(α/σ)``; the first-order update equals Euler exactly.
-MATH.md, "ODE".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One transition of a rectified-flow sampler, deterministic or stochastic, with its exact log-density.
 
-Notation (MATH.md): ``x_σ = (1−σ)·x₀ + σ·ε``, velocity ``v = ε − x₀``, one step goes ``σ → σ'`` with
+Notation: ``x_σ = (1−σ)·x₀ + σ·ε``, velocity ``v = ε − x₀``, one step goes ``σ → σ'`` with
 ``Δ = σ − σ' > 0``; from a velocity ``x̂₀ = x − σ·v`` and ``ε̂ = x + (1−σ)·v``.
 
 SDE kernels (each transition is ``x' ~ N(μ, std²·I)``):
@@ -136,7 +136,7 @@ def kernel_std(sigma: SigmaLike, sigma_next: SigmaLike, *, kernel: str = "flow_g
 def kernel_lambda(sigma: SigmaLike, sigma_next: SigmaLike, *, kernel: str = "flow_grpo", noise_level: float = 0.7) -> torch.Tensor:
     """λ with ``∂ log π / ∂v = −λ·ξ`` (ξ the standardised noise of the transition), i.e. ``λ = −b/std``.
 
-    For Flow-GRPO this is ``√Δ/s + s·√Δ·(1−σ)/(2σ)`` (MATH.md, "KL to the reference").
+    For Flow-GRPO this is ``√Δ/s + s·√Δ·(1−σ)/(2σ)``; the module docstring gives the KL it enters.
     """
     _check_kernel(kernel)
     sigma = torch.as_tensor(sigma, dtype=torch.float32)

@@ -2,7 +2,7 @@
 
 Over ``T`` sampling steps the window ``W(l) = {l, …, l+w−1}`` is stochastic and trained; every other step is
 an ODE step. The window start ``l`` moves by a stride ``s`` every ``τ`` iterations and rolls back to 0 once it
-would pass ``T − w``. Schedules (MATH.md, "MixGRPO"):
+would pass ``T − w``. Schedules:
 
 * ``progressive`` — constant interval ``τ``;
 * ``random`` — a fresh uniform start every ``τ`` iterations;

@@ -1,4 +1,4 @@
-"""TaRoS vs the weighted sum on a hackable composite reward: GenEval + a quickly saturating JPEG term (issue 5).
+"""TaRoS vs the weighted sum on a hackable composite reward: GenEval + a quickly saturating JPEG term.
 
     python scripts/bench_multireward.py                              # sd3_shapes, 3 seeds x {sum, taros}
     python scripts/bench_multireward.py --seeds 0,1,2,3 --iterations 80 --jobs 2 --out multireward.json

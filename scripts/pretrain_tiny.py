@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-r"""Pretrain the embedded world's tiny SD3 pipeline: ``assets/tiny-sd3-shapes`` (issue 3, DESIGN.md).
+r"""Pretrain the embedded world's tiny SD3 pipeline: ``assets/tiny-sd3-shapes``.
 
     python scripts/pretrain_tiny.py --omit-steps 3000 --omit-prob 0.4    # the shipped asset: CPU, about 2 h 20 min on 1 thread
     python scripts/pretrain_tiny.py                                   # the clean pipeline (no caption noise)

@@ -1,4 +1,4 @@
-"""Test-wide settings: offline, no W&B, few threads (see PITFALLS.md)."""
+"""Test-wide settings: offline, no W&B, few threads."""
 
 import os
 import tempfile

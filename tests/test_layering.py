@@ -1,4 +1,4 @@
-"""The import arrows of DESIGN.md go one way: flowgrpo → samplers, flowgrpo → rewards; samplers is pure torch."""
+"""The project's import arrows go one way: flowgrpo → samplers, flowgrpo → rewards; samplers is pure torch."""
 
 import subprocess
 import sys

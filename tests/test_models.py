@@ -125,7 +125,7 @@ def test_save_load_same_output(family, tmp_path):
 
 
 def test_load_rejects_broken_tokenizer(tmp_path):
-    # Offline, a tokenizer whose files are missing loads as a near-empty one instead of raising (PITFALLS.md).
+    # Offline, a tokenizer whose files are missing loads as a near-empty one instead of raising.
     _adapter("sd3").pipe.save_pretrained(tmp_path)
     for path in (tmp_path / "tokenizer").iterdir():
         if path.name != "tokenizer_config.json":

@@ -106,7 +106,7 @@ def test_caption_noise_leaves_out_one_named_object():
 
     named = {m["prompt"]: sum(c["count"] for c in m["include"]) for m in all_metadata()}
 
-    def objects(x):  # objects never touch (DESIGN.md), so connected non-white regions of [-1, 1] pixels are objects
+    def objects(x):  # objects never touch (a gap apart), so connected non-white regions of [-1, 1] pixels are objects
         return ndimage.label((((x + 1.0) * 127.5).numpy() < 250).any(axis=0))[1]
 
     clean, clean_prompts = pt.render_batch(np.random.default_rng(3), 24, set())

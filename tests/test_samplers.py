@@ -1,5 +1,5 @@
 """Samplers against analytic references: diffusers' schedule, Gaussian data with a closed-form velocity,
-exact Gaussian log-densities and the closed-form gradient / KL identities of MATH.md."""
+exact Gaussian log-densities and the closed-form gradient / KL identities of ``samplers/steps.py``."""
 
 import math
 
@@ -119,7 +119,7 @@ def test_sde_kernels_reach_data_distribution(kernel, level):
 
 def test_cps_mean_matches_data_over_a_full_rollout():
     # CPS re-noises from x̂₀ at every step, so only its mean (not its spread) converges on Gaussian data
-    # with the posterior-mean velocity (PITFALLS.md); its guarantee is the per-step one tested below.
+    # with the posterior-mean velocity; its guarantee is the per-step one tested below.
     noise = torch.randn(50_000, 1, generator=torch.Generator().manual_seed(4))
     sig = flow_sigmas(50, 1.0)
     mask = torch.ones(50, dtype=torch.bool)

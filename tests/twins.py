@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 def byte_level_clip_tokenizer():
-    """A tiny working CLIP tokenizer over the 256 byte-level symbols (PITFALLS: build it in memory)."""
+    """A tiny working CLIP tokenizer over the 256 byte-level symbols (built in memory: no model hub offline)."""
     from flowgrpo.models.tiny import tiny_clip_tokenizer  # tests may import every package; one builder
 
     return tiny_clip_tokenizer()

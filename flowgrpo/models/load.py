@@ -53,7 +53,7 @@ def _load_error(pretrained: str, family: str, err: Exception) -> OSError:
     )
 
 
-# A tokenizer loaded from a missing hub id offline can come back nearly empty instead of raising (PITFALLS.md).
+# A tokenizer loaded from a missing hub id offline can come back nearly empty instead of raising.
 _MIN_TOKENIZER_SIZE = 32
 _PROBE = "a photo of a red circle left of a blue square"
 

@@ -2,8 +2,8 @@
 
 They have the real pipeline classes and component classes, only with a few layers of width 32, so
 every code path of the adapters (prompt encoding, noise layout, CFG, timestep conventions, decoding)
-runs on a CPU in milliseconds. Tokenizers are built in memory (no model hub on our machines, see
-PITFALLS.md) and survive ``save_pretrained`` / ``from_pretrained``.
+runs on a CPU in milliseconds. Tokenizers are built in memory (no model hub on our machines)
+and survive ``save_pretrained`` / ``from_pretrained``.
 
 The component sizes follow diffusers' own ``get_dummy_components`` in its pipeline tests
 (``tests/pipelines/{stable_diffusion_3,flux,wan}``), with the following modifications: in-memory

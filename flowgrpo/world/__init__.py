@@ -1,4 +1,4 @@
-"""The embedded "shapes" world (DESIGN.md, "The embedded world"): a renderer and GenEval-style prompts.
+"""The embedded "shapes" world: a renderer and GenEval-style prompts.
 
 Everything here is pure numpy/PIL so that tests, the tiny-pipeline pretraining and the evaluation
 scripts can draw ground-truth scenes for any GenEval metadata dict (positives and negatives alike)::

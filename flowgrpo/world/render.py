@@ -1,4 +1,4 @@
-"""Renderer of the shapes world, exactly per DESIGN.md ("The embedded world").
+"""Renderer of the shapes world, exactly to the specification below.
 
 - Canvas ``size`` x ``size`` RGB (64 by default), background white (255, 255, 255).
 - Classes ``circle``, ``square`` (axis-aligned), ``triangle`` (upright, equilateral: apex up, base down).

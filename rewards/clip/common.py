@@ -38,7 +38,7 @@ def encode_unique(prompts: Sequence[str], encode: Callable[[list[str]], torch.Te
 
 
 def pooled(out) -> torch.Tensor:
-    """transformers 5's ``get_*_features`` return an output object (PITFALLS); the embedding is ``pooler_output``."""
+    """transformers 5's ``get_*_features`` return an output object; the embedding is ``pooler_output``."""
     return out if isinstance(out, torch.Tensor) else out.pooler_output
 
 

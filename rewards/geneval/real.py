@@ -112,7 +112,7 @@ class RealDetector:
                     clip_image_processor = AutoImageProcessor.from_pretrained(clip_path)
             except OSError as err:
                 raise _missing("CLIP model / tokenizer / image processor", clip_path, "clip_path", err) from err
-        # PITFALLS: a missing CLIP tokenizer can load as a near-empty one
+        # a missing CLIP tokenizer can load as a near-empty one
         check_tokenizer(clip_tokenizer, clip_path, reward="geneval", kwarg="clip_path",
                         example="rewards.load('geneval', detector='real', clip_path='/path/to/checkpoint')")
         self.model = model.to(self.device).eval()

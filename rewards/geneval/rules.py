@@ -20,7 +20,7 @@ Reproduces, on any detector's output, the two rule sets that matter for Flow-GRP
 ``partial_credit="flowgrpo"`` (default) keeps two quirks of the reference code on purpose, so that scores
 are comparable with Flow-GRPO's: the count credit is not clipped (it is negative when more than ``2 *
 count`` objects are found), and a failed position appends 0 *and then* 1 (a failed relation scores 0.75,
-not 2/3, on a position prompt). ``partial_credit="clipped"`` is the cleaned variant of MATH.md: count
+not 2/3, on a position prompt). ``partial_credit="clipped"`` is our cleaned variant: count
 credit clipped at 0 and a position credit of exactly 0 or 1.
 
 The position rule (``relative_position``): box centres ``c``, box sizes ``d``; ``offset = c_A - c_B``;

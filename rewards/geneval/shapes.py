@@ -1,6 +1,6 @@
 """``shapes`` detector: classical image analysis for the embedded shapes world (no learned weights).
 
-The world (DESIGN.md, "The embedded world"): white background, circles / axis-aligned squares / upright
+The world (as ``flowgrpo.world`` renders it): white background, circles / axis-aligned squares / upright
 equilateral triangles of circumradius 6-12 px (at 64 px), six palette colours, no overlap. Generated
 images add blur, colour bleeding and small blobs, so every step works on *soft coverage*, not on hard edges:
 
@@ -45,7 +45,7 @@ from .rules import Detection
 __all__ = ["CLASSES", "PALETTE", "ShapesDetector"]
 
 CLASSES: tuple[str, ...] = ("circle", "square", "triangle")
-# The shapes world's colours (DESIGN.md); flowgrpo.world renders with these very objects.
+# The shapes world's colours; flowgrpo.world renders with these very objects.
 PALETTE: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
     "yellow": (240, 200, 20),
