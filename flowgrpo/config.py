@@ -1,6 +1,6 @@
 """Typed schemas of the Hydra config tree (``conf/``), registered in Hydra's ConfigStore.
 
-Every config group of DESIGN.md has one dataclass schema here, stored as ``<group>/base_<group>``; each
+Every config group (``conf/<group>/``) has one dataclass schema here, stored as ``<group>/base_<group>``; each
 group file extends it through its own defaults list (``defaults: [base_model, _self_]``), and
 ``conf/train.yaml`` extends the top-level :class:`TrainConfig` (``base_train``). Hydra then rejects
 
@@ -114,7 +114,7 @@ class SamplerConfig:
     num_steps: int = _knob(10, ge=1)  # T: sampling steps of a training rollout
     eval_num_steps: int = _knob(40, ge=1)  # ODE steps of held-out evaluation / galleries
     shift: Optional[float] = _knob(None, gt=0)  # override the model's schedule shift; null = the scheduler's own
-    kernel: str = _knob("flow_grpo", choices=tuple(KERNELS))  # SDE transition of the stochastic steps (MATH.md)
+    kernel: str = _knob("flow_grpo", choices=tuple(KERNELS))  # SDE transition of the stochastic steps (samplers.steps)
     noise_level: float = _knob(0.7, ge=0)  # a (flow_grpo, cps) or eta (dance)
     solver: str = _knob("euler", choices=tuple(SOLVERS))  # ODE solver of the deterministic steps after the last SDE step
 
@@ -214,11 +214,11 @@ class TrainerConfig:
     """
 
     iterations: int = _knob(100, ge=1)  # GRPO iterations (rollout + update rounds)
-    prompts_per_iteration: int = _knob(16, ge=1)  # N, global: distinct prompts per iteration
+    prompts_per_iteration: int = _knob(8, ge=1)  # N, global: distinct prompts per iteration
     group_size: int = _knob(8, ge=2)  # G: samples per prompt (advantages are relative within a group)
     rollout_batch_size: Optional[int] = _knob(None, ge=1)  # global samples per rollout forward; null = all N*G at once
-    train_batch_size: int = _knob(8, ge=1)  # global samples per training forward (split over processes)
-    gradient_accumulation_steps: int = _knob(1, ge=1)  # micro-batches per optimizer update (x K steps)
+    train_batch_size: int = _knob(16, ge=1)  # global samples per training forward (split over processes)
+    gradient_accumulation_steps: int = _knob(2, ge=1)  # micro-batches per optimizer update (each spans its K steps)
     inner_epochs: int = _knob(1, ge=1)  # passes over one iteration's rollouts
     lr: float = _knob(3e-4, gt=0)  # AdamW learning rate
     weight_decay: float = _knob(1e-4, ge=0)  # AdamW weight decay
@@ -231,12 +231,12 @@ class TrainerConfig:
     mixed_precision: str = _knob("no", choices=("no", "fp16", "bf16"))  # accelerate autocast for the trained forward
     allow_tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
     seed: int = 0  # seeds prompts, noise and SDE draws (per process offset by rank)
-    eval_every: int = _knob(10, ge=0)  # iterations between held-out evaluations; 0 = only before/after
+    eval_every: int = _knob(25, ge=0)  # iterations between held-out evaluations; 0 = only before/after
     eval_before: bool = True  # evaluate the pretrained model first (the baseline)
     eval_num_prompts: Optional[int] = _knob(None, ge=1)  # held-out prompts per evaluation; null = all
     eval_seed: int = 0  # seeds the held-out images: one fixed benchmark whatever trainer.seed (runs stay comparable)
     eval_samples_per_prompt: int = _knob(1, ge=1)  # fixed-seed images per held-out prompt (GenEval: 4)
-    eval_samples_per_tag: Optional[int] = _knob(None, ge=1)  # at least this many images per metadata tag (small tags get more seeds)
+    eval_samples_per_tag: Optional[int] = _knob(48, ge=1)  # at least this many images per metadata tag (small tags get more seeds; null = none)
     gallery_every: int = _knob(10, ge=0)  # iterations between galleries (PNG grid + parquet + W&B table); 0 = off
     gallery_size: int = _knob(16, ge=1)  # samples per gallery
     log_every: int = _knob(1, ge=1)  # iterations between scalar logs

@@ -1,4 +1,4 @@
-"""The GRPO loop. One iteration is six phases, in this order and named so below (DESIGN.md):
+"""The GRPO loop. One iteration is six phases, in this order and named so below:
 
 1. **plan** — pick this iteration's prompts; the algorithm decides which steps are stochastic and trained.
 2. **rollout** — G samples per prompt, batched, no grad; latents and exact log-probs recorded.

@@ -144,6 +144,28 @@ def test_config_files_start_with_their_command_and_comment_every_knob():
             assert "#" in value, f"{path.relative_to(REPO_ROOT)}:{n}: knob {key!r} has no why-comment"
 
 
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)],
+                         ids=[f"{g}={o}" for g in GROUPS for o in options(g)])
+def test_option_files_state_only_what_differs_from_their_schema(group, option):
+    """The schema field is the one source of a default: an option file that restated it would drift from it."""
+    import yaml
+
+    data = yaml.safe_load((CONF / group / f"{option}.yaml").read_text()) or {}
+    schema = algo_schema(data["name"]) if group == "algo" else GROUP_SCHEMAS[group]
+    ref = OmegaConf.structured(schema)
+
+    def restated(node, ref, prefix=""):
+        for key, value in node.items():
+            if key in ("defaults", "name") or key not in ref or OmegaConf.is_missing(ref, key):
+                continue
+            if isinstance(value, dict) and OmegaConf.is_dict(ref[key]):
+                yield from restated(value, ref[key], f"{prefix}{key}.")
+            elif ref[key] == value:
+                yield f"{prefix}{key}"
+
+    assert not list(restated(data, ref)), f"conf/{group}/{option}.yaml restates its schema's defaults"
+
+
 def test_accelerate_presets_are_plain_accelerate_configs():
     from accelerate.commands.config.config_args import load_config_from_file
 
@@ -302,7 +324,7 @@ def test_reward_configs_match_the_registry_and_instantiate(hydra_compose):
     configured = {name: hydra_compose([f"reward={name}"]).reward for name in options("reward")}
     names = {node.name for node in configured.values()}
     registered = set(rewards.available())
-    assert "geneval" in registered, "rewards.load('geneval') must be registered (issue 3)"
+    assert "geneval" in registered, "rewards.load('geneval') must be registered"
     assert names == registered, f"reward configs {sorted(names)} vs registered rewards {sorted(registered)}"
     for option, node in configured.items():
         if node.name in NEEDS_WEIGHTS:  # learned rewards: no weights on this machine, so a clear error at build
@@ -324,7 +346,7 @@ def test_reward_errors_name_the_key(hydra_compose):
 
 
 def test_data_configs_instantiate(hydra_compose, prompt_files):
-    # The shipped prompt sets (issue 3) when present; a missing file is an error naming the key.
+    # The shipped prompt sets when present; a missing file is an error naming the key.
     cfg = hydra_compose(["data=geneval_shapes"])
     if (REPO_ROOT / cfg.data.train_file).is_file():
         train = build_prompts(cfg.data, "train")

@@ -1,4 +1,4 @@
-"""Algorithms as small modules plugging into the trainer's phases (DESIGN.md): plan (1), advantage (4), the loss
+"""Algorithms as small modules plugging into the trainer's phases (``flowgrpo.trainer``): plan (1), advantage (4), the loss
 of the update (5).
 
 * ``grpo`` — Flow-GRPO (arXiv 2505.05470) / DanceGRPO (arXiv 2505.07818): :class:`GRPO`;

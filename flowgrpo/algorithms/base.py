@@ -1,6 +1,6 @@
 """What an algorithm is to the trainer: a plan for the rollout, an advantage, and the loss of its own update.
 
-DESIGN.md's loop is ``plan → rollout → score → advantage → update → log/checkpoint``. An algorithm fills phase 1
+The trainer's loop is ``plan → rollout → score → advantage → update → log/checkpoint``. An algorithm fills phase 1
 (:meth:`Algorithm.plan` → :class:`RolloutPlan`: which steps are stochastic, which are trained), may shape
 phase 4 (:meth:`Algorithm.advantages`) and owns the loss of phase 5 (:meth:`Algorithm.loss`). The trainer owns the
 loop around them: accumulation, clipping, the optimizer, EMA, logging, checkpoints. It reaches the model only

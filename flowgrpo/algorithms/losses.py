@@ -1,4 +1,4 @@
-"""The GRPO policy loss on per-step log-probabilities (DESIGN.md phase 5; MATH.md, "GRPO update").
+"""The GRPO policy loss on per-step log-probabilities (phase 5 of ``flowgrpo.trainer``).
 
 ``ρ = exp(log π_θ − log π_old)`` per trained transition; ``L = mean(w · max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε)))``.
 This is the PPO-clip surrogate of Flow-GRPO (arXiv 2505.05470) / DanceGRPO (arXiv 2505.07818) / MixGRPO
