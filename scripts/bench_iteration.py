@@ -35,6 +35,7 @@ ALGORITHMS = {
     "mix_grpo": ["algo=mix_grpo", "sampler=mix_sde"],
     "mix_grpo_flash": ["algo=mix_grpo", "sampler=mix_sde_flash", "algo.compress_ratio=0.4"],
     "flash_grpo": ["algo=flash_grpo", "sampler=mix_sde"],
+    "diffusion_nft": ["algo=diffusion_nft"],  # ODE rollouts; 9 of 10 noise levels trained per sample
     # MixGRPO with its window frozen at the last position (start = T − w, set in bench_algorithm): the shared-noise
     # ODE prefix is longest there, so this row shows what computing it once per prompt saves
     "mix_grpo_late": ["algo=mix_grpo", "sampler=mix_sde", "algo.window.schedule=frozen"],

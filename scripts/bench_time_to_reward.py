@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="extra Hydra override (repeatable); ALGO:key=value applies to runs of algo=ALGO only")
     parser.add_argument("--out", type=Path, default=Path("time_to_reward.json"), help="JSON path (PNG beside it)")
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other algorithms' rows of an existing --out measured with the same settings")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads per run (default: cores / jobs)")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -112,6 +114,15 @@ def main(argv: list[str] | None = None) -> dict:
               "seeds": seeds, "max_iterations": args.max_iterations, "eval_every": args.eval_every,
               "jobs": args.jobs, "threads": args.threads, "overrides": args.set,
               "recipes": {name: RECIPES[name] for name in names}, "algorithms": {}, "ratios": {}}
+    if args.merge and args.out.is_file():
+        kept = json.loads(args.out.read_text())
+        same = ("model", "reward", "metric", "target", "seeds", "max_iterations", "eval_every", "jobs", "threads")
+        differ = [k for k in same if kept.get(k) != report[k]]
+        if differ:
+            raise SystemExit(f"--merge: {args.out} was measured with other {', '.join(differ)}; rerun every algorithm "
+                             "or write to another --out")
+        report["recipes"] = {**{n: r for n, r in kept["recipes"].items() if n not in names}, **report["recipes"]}
+        report["algorithms"] = {n: row for n, row in kept["algorithms"].items() if n not in names}
     results: dict[tuple[str, int], dict] = {}
 
     def record(name: str, seed: int, result: dict) -> None:  # the JSON is rewritten as every run finishes
