@@ -37,7 +37,7 @@ from bench_iteration import ALGORITHMS, compose, pool_results, scoped  # noqa: E
 # directly: they also pin the model and the reward, which would override --model / --reward.
 RECIPES = {name: overrides for name, overrides in ALGORITHMS.items() if name != "mix_grpo_late"}
 RECIPES["flow_grpo"] = ["algo=grpo", "sampler=sde", "algo.timestep_fraction=0.3", "algo.timestep_selection=first"]
-RECIPES["dance_grpo"] = [*ALGORITHMS["dance_grpo"], "algo.shared_noise=true", "algo.kl_beta=0"]  # experiment=dance_grpo_shapes
+RECIPES["dance_grpo"] = ["algo=dance_grpo", "sampler=dance"]  # = experiment=dance_grpo_shapes's algorithm and sampler
 TRAINING = list(RECIPES)
 
 

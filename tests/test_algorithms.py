@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from flowgrpo.advantages import advantage_stats, group_advantages, weighted_advantages
 from flowgrpo.algorithms import (ALGORITHMS, FlashGRPO, GRPO, MixGRPO, RolloutPlan, build_algorithm, ppo_clip_loss,
                                  reduce_log_prob)
-from flowgrpo.algorithms.grpo import GRPOConfig
+from flowgrpo.algorithms.grpo import DanceGRPO, GRPOConfig
 from flowgrpo.algorithms.mix_grpo import default_window_size
 from flowgrpo.build import REPO_ROOT, batch_plan, build_sampler
 from flowgrpo.config import ConfigError, validate
@@ -329,6 +329,8 @@ def test_plan_drives_a_rollout_and_rescoring_gives_ratio_one(algo):
 CONFIGS = [
     (["algo=grpo", "sampler=sde"], GRPO),
     (["algo=grpo", "sampler=dance", "algo.timestep_fraction=0.6"], GRPO),
+    (["algo=dance_grpo"], DanceGRPO),
+    (["experiment=dance_grpo_shapes"], DanceGRPO),
     (["algo=grpo", "sampler=cps"], GRPO),
     (["algo=grpo", "sampler=dance", "algo.timestep_fraction=0.3", "algo.timestep_selection=first"], GRPO),
     (["algo=grpo", "sampler=mix_sde"], GRPO),
@@ -383,7 +385,9 @@ def test_every_algorithm_runs_with_the_default_sampler_and_its_schema_defaults(h
     """``python train.py algo=X`` composes, validates and plans with no other override; the option file states only
     what differs from its schema, so the composed node equals the schema's defaults plus that."""
     cfg = hydra_compose([f"algo={option}"])
-    assert cfg.sampler.name == hydra_compose([]).sampler.name  # the default sampler
+    # the default sampler, or the one the algorithm was published with (dance_grpo); an explicit choice wins
+    assert cfg.sampler.name == {"dance_grpo": "dance"}.get(option, hydra_compose([]).sampler.name)
+    assert hydra_compose([f"algo={option}", "sampler=cps"]).sampler.name == "cps"
     validate(cfg)
     cls = ALGORITHMS[cfg.algo.name]
     assert OmegaConf.get_type(cfg.algo) is cls.config_class

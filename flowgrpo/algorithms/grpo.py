@@ -21,7 +21,7 @@ from ..config import _knob
 from .policy_gradient import PolicyGradient, PolicyGradientConfig
 from .schedule import SELECTIONS, select_trained, trained_step_count
 
-__all__ = ["GRPOConfig", "GRPO"]
+__all__ = ["GRPOConfig", "GRPO", "DanceGRPOConfig", "DanceGRPO"]
 
 
 @dataclass
@@ -84,3 +84,23 @@ class GRPO(PolicyGradient):
         trained = f"all {n}" if k == n else f"{k} ({self.cfg.timestep_selection}) of the {n}"
         return (f"grpo (Flow-GRPO / DanceGRPO): SDE on {n} of {self.num_steps} steps, {self._kernel_text()}; "
                 f"trains {trained} SDE steps per sample; {self._adv_text()}")
+
+
+@dataclass
+class DanceGRPOConfig(GRPOConfig):
+    """``algo=dance_grpo``: DanceGRPO's defaults (no KL, 60% of the steps, one initial noise per group)."""
+
+    kl_beta: float = _knob(0.0, ge=0)  # DanceGRPO trains without a KL term
+    timestep_fraction: float = _knob(0.6, gt=0, le=1)  # DanceGRPO trains a random 60% of the steps per sample
+    shared_noise: bool = True  # one initial noise per group
+
+
+class DanceGRPO(GRPO):
+    """DanceGRPO (arXiv 2505.07818): :class:`GRPO` with its paper's defaults. Its constant-η kernel is the
+    sampler's (``sampler=dance``, which ``conf/algo/dance_grpo.yaml`` selects unless a sampler is chosen)."""
+
+    name = "dance_grpo"
+    config_class = DanceGRPOConfig
+
+    def describe(self) -> str:
+        return "dance_grpo (DanceGRPO)" + super().describe().split(" (Flow-GRPO / DanceGRPO)", 1)[1]
