@@ -8,14 +8,15 @@ import os
 import torch
 
 from .base import FlowAdapter
-from .flux import FluxAdapter
-from .sd3 import SD3Adapter
+from .flux import FluxAdapter  # noqa: F401  (each adapter module registers its family)
+from .sd3 import SD3Adapter  # noqa: F401
 from .tiny import build_tiny_pipeline
-from .wan import WanAdapter
+from .wan import WanAdapter  # noqa: F401
 
 __all__ = ["ADAPTERS", "load_adapter", "parse_dtype"]
 
-ADAPTERS: dict[str, type[FlowAdapter]] = {"sd3": SD3Adapter, "flux": FluxAdapter, "wan": WanAdapter}
+#: family → adapter class: the adapters register themselves by their ``family`` (``FlowAdapter.__init_subclass__``).
+ADAPTERS: dict[str, type[FlowAdapter]] = FlowAdapter._registry
 ATTENTION_BACKENDS = ("sdpa", "xformers")
 TINY_PREFIX = "tiny-random:"
 RANDOM_PREFIX = "random-init:"  # published architectures at random init, for cost measurements
