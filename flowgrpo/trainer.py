@@ -40,7 +40,11 @@ from .evaluation import seeded_generator as _gen
 from .finetune import EMA, frozen_reference, load_trainable_state, prepare_trainable, reference_policy, trainable_state
 from .gallery import Gallery
 
-__all__ = ["Trainer", "Batch", "TrainerContext"]
+__all__ = ["Trainer", "Batch", "TrainerContext", "NonFiniteError"]
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive optimizer updates had a non-finite loss or gradient norm; the run stops."""
 
 # Stream ids: which kind of draw a generator serves (held-out noise: flowgrpo.evaluation.EVAL_STREAM = 5).
 _PROMPTS, _NOISE, _SDE, _ORDER, _ALGO = 1, 2, 3, 4, 6
@@ -152,6 +156,8 @@ class Trainer:
         # Bookkeeping.
         self.iteration = 0
         self.updates = 0
+        self.skipped_updates = 0  # optimizer updates skipped for a non-finite loss or gradient
+        self._consecutive_skips = 0
         self.history: list[dict[str, float]] = []
         self.evals: list[dict[str, float]] = []
         self.ckpt = CheckpointManager(self.out / "checkpoints", keep=t.keep_checkpoints or 10**9)
@@ -360,6 +366,7 @@ class Trainer:
         stats: dict[str, list[float]] = {}
         self.adapter.transformer.train()
         self.policy.iteration = iteration
+        window_finite = True  # every loss of the current accumulation window was finite
         for epoch in range(t.inner_epochs):
             self.policy.epoch = epoch
             steps = self.transitions(batch, iteration, epoch)
@@ -369,24 +376,57 @@ class Trainer:
                     s = steps[rows, j]
                     with self.acc.accumulate(self.adapter.transformer):
                         loss, info = self.algorithm.loss(self.policy, batch, rows, s)
+                        window_finite &= bool(torch.isfinite(loss.detach()))
                         self.acc.backward(loss)
                         info = {k: float(v) for k, v in info.items()}
                         if self.acc.sync_gradients:
                             info["grad_norm"] = self._clip()
-                        self.optimizer.step()
+                            # fp16's GradScaler skips overflowing steps itself (and lowers its scale): there only a
+                            # non-finite loss counts here
+                            finite_grad = math.isfinite(info["grad_norm"]) or self.acc.scaler is not None
+                            if self._agree_finite(window_finite and finite_grad):
+                                self._consecutive_skips = 0
+                                self.optimizer.step()
+                                self.lr_scheduler.step()
+                                self.updates += 1
+                                if self.ema is not None and self.updates % t.ema.update_every == 0:
+                                    self.ema.update()
+                            else:  # a non-finite loss or gradient: the weights stay as they were
+                                self._skip_update(iteration, info["grad_norm"])
+                            window_finite = True
                         self.optimizer.zero_grad(set_to_none=True)
-                        if self.acc.sync_gradients:
-                            self.lr_scheduler.step()
-                            self.updates += 1
-                            if self.ema is not None and self.updates % t.ema.update_every == 0:
-                                self.ema.update()
                     info["loss"] = float(loss.detach())
                     for k, v in info.items():
                         stats.setdefault(k, []).append(v)
         self.adapter.transformer.eval()
         out = {f"train/{k}": sum(v) / len(v) for k, v in stats.items()}
         out["train/lr"] = self.lr_scheduler.get_last_lr()[0]
+        out["train/skipped_updates"] = self.skipped_updates
         return out
+
+    def _agree_finite(self, finite: bool) -> bool:
+        """Whether every process saw a finite accumulation window (the gradient norm is already global; a local
+        non-finite loss with finite gradients is not), so all of them skip or step together."""
+        if self.world == 1:
+            return finite
+        flag = torch.tensor([0.0 if finite else 1.0], device=self.device)
+        return bool(self.acc.reduce(flag, reduction="sum").item() == 0)
+
+    def _skip_update(self, iteration: int, grad_norm: float) -> None:
+        """Skip an optimizer update whose loss or gradient is not finite; stop the run after
+        ``trainer.max_skipped_updates`` in a row (the weights, and so every checkpoint, stay finite)."""
+        self.skipped_updates += 1
+        self._consecutive_skips += 1
+        limit = self.cfg.trainer.max_skipped_updates
+        self._print(f"iteration {iteration}: non-finite loss or gradient norm ({grad_norm}); update skipped "
+                    f"({self._consecutive_skips} in a row, {self.skipped_updates} in all)")
+        if self._consecutive_skips >= limit:
+            last = self.ckpt.latest()
+            raise NonFiniteError(
+                f"{self._consecutive_skips} optimizer updates in a row had a non-finite loss or gradient norm "
+                f"(iteration {iteration}; trainer.max_skipped_updates={limit}); the weights were not changed by them. "
+                f"Last checkpoint: {last if last is not None else 'none'}. Lower trainer.lr, check the reward and "
+                f"the data, or raise trainer.max_skipped_updates.")
 
     def _clip(self) -> float:
         max_norm = self.cfg.trainer.max_grad_norm
@@ -455,6 +495,7 @@ class Trainer:
         return {
             "iteration": self.iteration,
             "updates": self.updates,
+            "skipped_updates": self.skipped_updates,
             "trainable": trainable_state(self.unwrapped, gather=gather),
             "optimizer": optimizer_state(self.unwrapped, self.optimizer, gather=gather),
             "lr_scheduler": self.lr_scheduler.state_dict(),
@@ -486,6 +527,7 @@ class Trainer:
         restore_rng_state(state["rng"])
         self.iteration = state["iteration"]
         self.updates = state["updates"]
+        self.skipped_updates = state.get("skipped_updates", 0)
         self.history = list(state.get("history", []))
         self.evals = list(state.get("evals", []))
 
@@ -670,7 +712,8 @@ class Trainer:
 
     def summary(self, checkpoint: Path | None, stopped: str | None) -> dict[str, Any]:
         first, last = (self.evals[0], self.evals[-1]) if self.evals else ({}, {})
-        summary = {"iterations": self.iteration, "updates": self.updates, "checkpoint": str(checkpoint) if checkpoint else None,
+        summary = {"iterations": self.iteration, "updates": self.updates, "skipped_updates": self.skipped_updates,
+                   "checkpoint": str(checkpoint) if checkpoint else None,
                    "stopped": stopped, "eval_first": first, "eval_last": last}
         if self.acc.is_main_process:
             lines = [f"done: {self.iteration} iterations, {self.updates} optimizer updates" + (f" ({stopped})" if stopped else "")]
