@@ -37,7 +37,8 @@ from .build import batch_plan, build_adapter, build_prompts, build_reward, build
 from .checkpoint import CheckpointManager, GracefulStop, capture_rng_state, restore_rng_state, save_lora_weights
 from .evaluation import EvalSamples, held_out_jobs, score_jobs
 from .evaluation import seeded_generator as _gen
-from .finetune import EMA, frozen_reference, load_trainable_state, prepare_trainable, reference_policy, trainable_state
+from .finetune import (EMA, frozen_reference, gathers_state, load_optimizer_state, load_trainable_state,
+                       optimizer_state, prepare_trainable, reference_policy, trainable_state)
 from .gallery import Gallery
 
 __all__ = ["Trainer", "Batch", "TrainerContext", "NonFiniteError"]
@@ -45,6 +46,7 @@ __all__ = ["Trainer", "Batch", "TrainerContext", "NonFiniteError"]
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive optimizer updates had a non-finite loss or gradient norm; the run stops."""
+
 
 # Stream ids: which kind of draw a generator serves (held-out noise: flowgrpo.evaluation.EVAL_STREAM = 5).
 _PROMPTS, _NOISE, _SDE, _ORDER, _ALGO = 1, 2, 3, 4, 6
@@ -489,8 +491,6 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs. Under FSDP a collective (full tensors gathered onto rank 0): call it on every
         rank, as ``save_checkpoint`` does; only rank 0's result is complete."""
-        from .finetune import gathers_state, optimizer_state
-
         gather = gathers_state(self.acc)
         return {
             "iteration": self.iteration,
@@ -510,8 +510,6 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``'s result (under FSDP every rank passes the full state and keeps its shards)."""
-        from .finetune import gathers_state, load_optimizer_state
-
         gather = gathers_state(self.acc)
         load_trainable_state(self.unwrapped, state["trainable"], gather=gather)
         load_optimizer_state(self.unwrapped, self.optimizer, state["optimizer"], gather=gather)
@@ -535,8 +533,6 @@ class Trainer:
         """Atomic checkpoint of everything needed to resume, plus the LoRA in diffusers format (rank 0 writes; under
         FSDP every rank first takes part in gathering the full state)."""
         from .checkpoint import save_transformer_weights
-        from .finetune import gathers_state
-
         gather = gathers_state(self.acc)  # raises for DeepSpeed / FSDP1 before anything is written
         self.acc.wait_for_everyone()
         path = None
@@ -556,20 +552,9 @@ class Trainer:
         return path
 
     def maybe_resume(self) -> bool:
-        from .finetune import gathers_state
-
-        # At start-up: raises for set-ups whose checkpoints would not be complete (DeepSpeed, FSDP1), and under FSDP2
-        # when gradient clipping or the EMA would act on the parameters from before accelerate.prepare sharded them.
-        if gathers_state(self.acc):
-            live = {id(p) for p in self.unwrapped.parameters() if p.requires_grad}
-            users = [u for u, on in (("trainer.max_grad_norm", self.cfg.trainer.max_grad_norm is not None),
-                                     ("trainer.ema", self.ema is not None)) if on]
-            if users and not all(id(p) in live for p in self.params):
-                raise NotImplementedError(
-                    f"FSDP (conf/accelerate/fsdp.yaml): {' and '.join(users)} would use Trainer.params, the parameters "
-                    "from before accelerate.prepare replaced them with sharded ones (clipping would see no gradient, "
-                    "the EMA would never move). Set trainer.max_grad_norm=null and trainer.ema.enabled=false, or "
-                    "re-read the parameters (and build the EMA) after prepare")
+        # At start-up: raises for set-ups whose checkpoints would not be complete (DeepSpeed, FSDP1). Under FSDP2
+        # self.params are the sharded parameters (re-read after accelerate.prepare), so clipping and the EMA see them.
+        gathers_state(self.acc)
         path = self.ckpt.resolve(self.cfg.trainer.resume)
         if path is None:
             return False

@@ -33,6 +33,13 @@ class GRPOConfig(PolicyGradientConfig):
     timestep_selection: str = _knob("random", choices=SELECTIONS)  # random per sample, or first = the noisiest
 
 
+def trained_fraction(cfg: GRPOConfig, n: int, note: str) -> tuple[int, str]:
+    """``(K, note)`` for ``algo.timestep_fraction`` of ``n`` SDE steps (GRPO and MixGRPO's ``trained_steps``)."""
+    if cfg.timestep_fraction < 1:
+        note += f" × algo.timestep_fraction={cfg.timestep_fraction:g} ({cfg.timestep_selection})"
+    return trained_step_count(n, cfg.timestep_fraction), note
+
+
 def _all_steps(sigmas: torch.Tensor, kernel: str) -> torch.Tensor:
     """Bool ``[T]``: every step stochastic, except a CPS step into σ' = 0 (its std is 0 there: no density)."""
     mask = torch.ones(sigmas.shape[0] - 1, dtype=torch.bool)
@@ -70,13 +77,7 @@ class GRPO(PolicyGradient):
     def trained_steps(self) -> tuple[int, str]:
         n = int(self.steps.sum())
         note = f"sampler.num_steps={self.num_steps}" + (", CPS's final step is ODE" if n < self.num_steps else "")
-        return self._fraction(n, note)
-
-    def _fraction(self, n: int, note: str) -> tuple[int, str]:
-        f = self.cfg.timestep_fraction
-        if f < 1:
-            note += f" × algo.timestep_fraction={f:g} ({self.cfg.timestep_selection})"
-        return trained_step_count(n, f), note
+        return trained_fraction(self.cfg, n, note)
 
     def describe(self) -> str:
         n = int(self.steps.sum())

@@ -23,9 +23,9 @@ import torch
 from samplers import WINDOW_SCHEDULES, SDEWindow
 
 from ..config import _knob
-from .grpo import GRPOConfig
+from .grpo import GRPOConfig, trained_fraction
 from .policy_gradient import PolicyGradient
-from .schedule import rollout_schedule, select_trained, trained_step_count
+from .schedule import rollout_schedule, select_trained
 
 __all__ = ["WindowConfig", "MixGRPOConfig", "MixGRPO", "default_window_size"]
 
@@ -118,11 +118,7 @@ class MixGRPO(PolicyGradient):
 
     def trained_steps(self) -> tuple[int, str]:
         n = int(self.schedule()[1].sum())
-        note = f"a window of {n} SDE steps"
-        f = self.cfg.timestep_fraction
-        if f < 1:
-            note += f" × algo.timestep_fraction={f:g} ({self.cfg.timestep_selection})"
-        return trained_step_count(n, f), note
+        return trained_fraction(self.cfg, n, f"a window of {n} SDE steps")
 
     def end_iteration(self, ctx=None) -> None:
         self.window.advance()

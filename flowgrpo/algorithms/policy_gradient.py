@@ -56,13 +56,14 @@ class PolicyGradient(Algorithm):
         chunks, steps = plan.chunk_step(steps)
         if plan.num_chunks == 1:
             x, x_next = batch.latents[rows, steps], batch.latents[rows, steps + 1]
-            cond = batch.cond[rows]
-            sigma, sigma_next = plan.sigmas[steps].to(x.device), plan.sigmas[steps + 1].to(x.device)
-            v = ctx.velocity(x, sigma, cond)
         else:
             x, x_next = batch.latents[rows, chunks, steps], batch.latents[rows, chunks, steps + 1]
-            cond = None  # per chunk below; the KL term re-enters the same way
-            sigma, sigma_next = plan.sigmas[steps].to(x.device), plan.sigmas[steps + 1].to(x.device)
+        sigma, sigma_next = plan.sigmas[steps].to(x.device), plan.sigmas[steps + 1].to(x.device)
+        if plan.num_chunks == 1:
+            cond = batch.cond[rows]
+            v = ctx.velocity(x, sigma, cond)
+        else:  # each chunk under its own conditioning (the KL term does the same with cond=None)
+            cond = None
             v = self._chunked_velocity(ctx, batch, rows, chunks, x, sigma)
         out = sde_step(v, x, sigma, sigma_next, kernel=plan.kernel, noise_level=plan.noise_level, prev_sample=x_next)
         return out, v, (x, sigma, sigma_next, cond, rows, steps, chunks)
