@@ -1,4 +1,4 @@
-"""Write the shapes world's fixed prompt sets: assets/prompts/shapes_{train,test}.jsonl.
+"""Write the shapes world's fixed prompt sets: assets/prompts/{shapes,motion}_{train,test}.jsonl.
 
     python scripts/make_prompts.py            # seed 0, a third of each tag held out
     python scripts/make_prompts.py --check    # verify the committed files match (exit 1 if not)
@@ -7,6 +7,9 @@ Every distinct GenEval prompt of the shapes world (240: 3 single_object, 6 two_o
 18 colors, 24 position, 180 color_attr) is split per tag into disjoint train / held-out test sets
 (flowgrpo.world.split_prompts: a seeded permutation whose train part still contains every class,
 colour, count and relation of the tag). One GenEval metadata dict per line, GenEval's key order.
+
+The moving-shapes (video) prompts, 426 (72 motion, 120 two_object_motion, 54 counting, 18 colors, 144 speed,
+18 static), are split the same way (flowgrpo.world.split_motion_prompts) into motion_{train,test}.jsonl.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from flowgrpo.world import TAGS, split_prompts
+from flowgrpo.world import MOTION_TAGS, TAGS, split_motion_prompts, split_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,10 +37,12 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="compare with the files on disk instead of writing")
     args = parser.parse_args()
 
-    train, test = split_prompts(seed=args.seed, test_fraction=args.test_fraction)
-    files = {"shapes_train.jsonl": _lines(train), "shapes_test.jsonl": _lines(test)}
-    counts = {name: collections.Counter(r["tag"] for r in rows) for name, rows in (("train", train), ("test", test))}
-    print(json.dumps({split: {t: c[t] for t in TAGS} | {"total": sum(c.values())} for split, c in counts.items()}))
+    files = {}
+    for world, tags, split in (("shapes", TAGS, split_prompts), ("motion", MOTION_TAGS, split_motion_prompts)):
+        train, test = split(seed=args.seed, test_fraction=args.test_fraction)
+        files |= {f"{world}_train.jsonl": _lines(train), f"{world}_test.jsonl": _lines(test)}
+        counts = {name: collections.Counter(r["tag"] for r in rows) for name, rows in (("train", train), ("test", test))}
+        print(world, json.dumps({s: {t: c[t] for t in tags} | {"total": sum(c.values())} for s, c in counts.items()}))
     if args.check:
         stale = [n for n, text in files.items() if not (args.out_dir / n).exists() or (args.out_dir / n).read_text() != text]
         if stale:

@@ -1,4 +1,4 @@
-"""The embedded "shapes" world: a renderer and GenEval-style prompts.
+"""The embedded "shapes" world: a renderer and GenEval-style prompts, for images and for videos (moving shapes).
 
 Everything here is pure numpy/PIL so that tests, the tiny-pipeline pretraining and the evaluation
 scripts can draw ground-truth scenes for any GenEval metadata dict (positives and negatives alike)::
@@ -22,6 +22,24 @@ from .prompts import (
     prompt_for,
     split_prompts,
 )
+from .motion import (
+    DIRECTIONS,
+    MOTION_PERTURBATIONS,
+    MOTION_TAGS,
+    NUM_FRAMES,
+    SPEEDS,
+    Track,
+    all_motion_metadata,
+    corrupt_motion,
+    draw_clip,
+    draw_frames,
+    motion_metadata_for,
+    motion_prompt_for,
+    perturb_motion,
+    render_clip,
+    sample_tracks,
+    split_motion_prompts,
+)
 from .render import (
     BACKGROUND,
     CLASSES,
@@ -35,6 +53,22 @@ from .render import (
 )
 
 __all__ = [
+    "DIRECTIONS",
+    "MOTION_PERTURBATIONS",
+    "MOTION_TAGS",
+    "NUM_FRAMES",
+    "SPEEDS",
+    "Track",
+    "all_motion_metadata",
+    "corrupt_motion",
+    "draw_clip",
+    "draw_frames",
+    "motion_metadata_for",
+    "motion_prompt_for",
+    "perturb_motion",
+    "render_clip",
+    "sample_tracks",
+    "split_motion_prompts",
     "BACKGROUND",
     "CLASSES",
     "COUNT_WORDS",
