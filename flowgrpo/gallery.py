@@ -2,8 +2,13 @@
 
 >>> gallery = Gallery(run_dir, wandb_run=logger.run)          # logger.run is None with logger=none  # doctest: +SKIP
 >>> gallery.log(step, prompts, images, rewards=out.scores, components=out.components,
-...             advantages=adv)                                                                    # doctest: +SKIP
+...             advantages=adv, group_size=G)                                                      # doctest: +SKIP
 >>> rows = read_gallery(run_dir / "gallery" / "train")         # in a notebook                     # doctest: +SKIP
+
+Which samples: the first ``max_rows`` of the batch; or, given ``group_size`` (the batch is consecutive groups of
+that many samples of one prompt, as the trainer lays it out), the first ``k`` of **every** group with
+``k = min(group_size, max(1, max_rows // groups))``, so every prompt of the batch shows. That is ``max_rows`` rows
+or fewer, except with more groups than ``max_rows``: then one row per group.
 
 Each call writes, always (so a run with ``logger=none`` can still be looked at):
 
@@ -12,14 +17,23 @@ Each call writes, always (so a run with ``logger=none`` can still be looked at):
   ``reward`` (float32) and ``advantage`` (float32, null when not given). Videos are stored as a **PNG strip** of
   all their frames side by side (``num_frames`` of them, equal widths): lossless, and readable with PIL alone,
   no ffmpeg. The price is size: a strip is as large as the frames' PNGs; log few rows of full-size videos.
-- ``out_dir/gallery/{tag}/step-{step:06d}.png``, a grid: images in rows of up to 8; videos one row per sample of
-  up to 8 evenly spaced frames. Cells are separated (and framed) by 2 white pixels.
+- ``out_dir/gallery/{tag}/step-{step:06d}.png``, a grid meant to be read by a person. Every sample is a cell: a
+  white label band on top, with the prompt (wrapped to the cell's width, at most 4 lines, cut with ``...``) and
+  then ``reward 0.734  adv +1.234`` (``adv`` only when advantages were given; on two lines when one is too
+  narrow), drawn in Pillow's default bitmap font (shipped with Pillow; latin-1, other characters show as ``?``);
+  below it a 1-pixel grey line and the media, upscaled by nearest neighbour by the integer factor
+  ``s = ceil(128 / min(H, W))`` (at least 1: a 64x64 sample shows at 128x128). Images sit in rows of up to 8
+  cells; a video is one row per sample, a strip of up to 8 evenly spaced frames (first and last included) with 2
+  grey pixels between frames, its label above the strip. The label band is ``6 + 13 · L`` pixels high, ``L``
+  being the most lines any label of the grid needs, so cells line up. Cells are separated and framed by 2 grey
+  (128, 128, 128) pixels, so white backgrounds do not run into each other.
 
 and, with a W&B run, a ``wandb.Table(step, prompt, image|video, *components, reward, advantage)`` under
 ``{tag}/gallery`` at ``step`` (log it no later than the scalars of that step: W&B drops steps that go back).
-Images (PIL, from the stored uint8 pixels) go in as JPEGs; videos as mp4 files written with ``diffusers.utils.export_to_video`` into
-``step-{step:06d}-mp4/`` (needs ``imageio`` and ``imageio-ffmpeg``; without them the frame strip is logged as an
-image, with one warning).
+Images (PIL, from the stored uint8 pixels, not upscaled nor labelled) go in as JPEGs; videos as mp4 files written
+with ``diffusers.utils.export_to_video`` into ``step-{step:06d}-mp4/`` (needs ``imageio`` and ``imageio-ffmpeg``;
+without them the frame strip is logged as an image, with one warning). A NaN reward component (a tag it does not
+apply to) is an empty cell.
 
 Media arrive as float in [0, 1] (uint8 accepted) and are stored as ``round(x · 255)`` uint8, the rounding of
 ``diffusers``' ``numpy_to_pil``. Call on the main process only.
@@ -38,14 +52,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
 __all__ = ["Gallery", "read_gallery", "to_uint8"]
 
 _GRID_COLS = 8  # images per grid row
 _GRID_FRAMES = 8  # frames per video row of the grid
-_PAD = 2  # white pixels between (and around) grid cells
+_PAD = 2  # grey pixels between (and around) grid cells
+_MIN_SIDE = 128  # media are upscaled (nearest, integer factor) until their short side reaches this
+_PROMPT_LINES = 4  # at most this many lines of prompt per label
+_LINE_H = 13  # pixels per label line
+_MARGIN = 3  # white pixels around a label's text
+_FRAME_RGB = (128, 128, 128)  # gaps, frames and separators
 _FIXED = ("step", "prompt", "image_png", "num_frames", "reward", "advantage", "image", "video", "pil")
+_FONT = None
 
 
 def to_uint8(media: torch.Tensor) -> torch.Tensor:
@@ -69,22 +89,115 @@ def _strip(frames: torch.Tensor) -> np.ndarray:
     return frames.permute(2, 0, 3, 1).reshape(h, t * w, c).numpy()
 
 
-def _grid(rows: list[list[np.ndarray]], h: int, w: int) -> np.ndarray:
-    """HWC uint8 cells laid out row by row on white with ``_PAD`` pixels between and around them."""
-    ncols = max(len(r) for r in rows)
-    out = np.full((len(rows) * (h + _PAD) + _PAD, ncols * (w + _PAD) + _PAD, 3), 255, dtype=np.uint8)
-    for i, row in enumerate(rows):
-        for j, cell in enumerate(row):
-            y, x = _PAD + i * (h + _PAD), _PAD + j * (w + _PAD)
-            out[y:y + h, x:x + w] = cell
+# ------------------------------------------------------------------------------------------ the labelled grid
+
+
+def _font():
+    """Pillow's default bitmap font (``load_default_imagefont`` since Pillow 10.1, where ``load_default`` became a
+    FreeType font whose narrow spaces run words together at this size; ``load_default`` before)."""
+    global _FONT
+    if _FONT is None:
+        _FONT = getattr(ImageFont, "load_default_imagefont", ImageFont.load_default)()
+    return _FONT
+
+
+def _drawable(text: str) -> str:
+    """Text the font can take: a bitmap font encodes latin-1 only (other characters become ``?``)."""
+    if isinstance(_font(), ImageFont.FreeTypeFont):
+        return text
+    return text.encode("latin-1", "replace").decode("latin-1")
+
+
+def _wrap(pieces: list[str], width: int, *, sep: str = " ", max_lines: int | None = None) -> list[str]:
+    """Greedy lines of ``pieces`` joined by ``sep`` within ``width`` pixels; a piece wider than a line is cut by
+    characters; past ``max_lines`` the last kept line ends in ``...``."""
+    font = _font()
+    fits = lambda s: font.getlength(s) <= width  # noqa: E731
+    units: list[str] = []
+    for piece in pieces:
+        while piece and not fits(piece):
+            k = 1
+            while k < len(piece) and fits(piece[:k + 1]):
+                k += 1
+            units.append(piece[:k])
+            piece = piece[k:]
+        if piece:
+            units.append(piece)
+    lines: list[str] = []
+    for unit in units:
+        if lines and fits(lines[-1] + sep + unit):
+            lines[-1] += sep + unit
+        else:
+            lines.append(unit)
+    if max_lines is not None and len(lines) > max_lines:
+        lines = lines[:max_lines]
+        last = lines[-1]
+        while last and not fits(last + "..."):
+            last = last[:-1]
+        lines[-1] = last.rstrip() + "..."
+    return lines
+
+
+def _label(prompt: str, reward: float, advantage: float | None, width: int) -> list[str]:
+    """The lines of one cell's label: the prompt, then the scores."""
+    text = _drawable(prompt).split() or ["(empty prompt)"]
+    scores = [f"reward {reward:.3f}"] + ([] if advantage is None else [f"adv {advantage:+.3f}"])
+    return _wrap(text, width, max_lines=_PROMPT_LINES) + _wrap(scores, width, sep="  ")
+
+
+def _upscale(hwc: np.ndarray, s: int) -> np.ndarray:
+    return hwc if s == 1 else hwc.repeat(s, axis=0).repeat(s, axis=1)
+
+
+def _grid(media: list[np.ndarray], labels: list[list[str]], ncols: int) -> np.ndarray:
+    """Labelled cells (HWC uint8 media of one size, their label lines) in rows of ``ncols`` on grey."""
+    mh, mw = media[0].shape[:2]
+    band = 2 * _MARGIN + _LINE_H * max(len(lines) for lines in labels)
+    ch, cw = band + 1 + mh, mw
+    nrows = math.ceil(len(media) / ncols)
+    ncols = min(ncols, len(media))
+    out = np.empty((nrows * (ch + _PAD) + _PAD, ncols * (cw + _PAD) + _PAD, 3), dtype=np.uint8)
+    out[:] = _FRAME_RGB
+    for i, cell in enumerate(media):
+        y, x = _PAD + (i // ncols) * (ch + _PAD), _PAD + (i % ncols) * (cw + _PAD)
+        out[y:y + band, x:x + cw] = 255
+        out[y + band + 1:y + ch, x:x + cw] = cell  # the row between stays grey: the label/media line
+    canvas = Image.fromarray(out)
+    draw = ImageDraw.Draw(canvas)
+    font = _font()
+    for i, lines in enumerate(labels):
+        y, x = _PAD + (i // ncols) * (ch + _PAD), _PAD + (i % ncols) * (cw + _PAD)
+        for j, line in enumerate(lines):
+            draw.text((x + _MARGIN, y + _MARGIN + j * _LINE_H), line, fill=(0, 0, 0), font=font)
+    return np.asarray(canvas)
+
+
+def _frames_strip(frames: list[np.ndarray]) -> np.ndarray:
+    """HWC frames side by side with ``_PAD`` grey pixels between them."""
+    h, w = frames[0].shape[:2]
+    out = np.empty((h, len(frames) * (w + _PAD) - _PAD, 3), dtype=np.uint8)
+    out[:] = _FRAME_RGB
+    for k, f in enumerate(frames):
+        out[:, k * (w + _PAD):k * (w + _PAD) + w] = f
     return out
 
 
-def _column(values, name: str, batch: int) -> torch.Tensor:
+def _column(values, name: str, index: torch.Tensor, batch: int) -> torch.Tensor:
     t = torch.as_tensor(values).detach().cpu().float().reshape(-1)
-    if t.shape[0] < batch:
+    if t.shape[0] <= int(index.max()):
         raise ValueError(f"Gallery.log: {name} has {t.shape[0]} values for {batch} samples")
-    return t[:batch]
+    return t[index]
+
+
+def _rows(batch: int, max_rows: int, group_size: int | None) -> torch.Tensor:
+    """The batch rows a gallery shows (see the module doc)."""
+    if group_size is None:
+        return torch.arange(min(batch, max_rows))
+    if group_size < 1 or batch % group_size:
+        raise ValueError(f"Gallery.log: {batch} samples do not split into groups of group_size={group_size}")
+    groups = batch // group_size
+    k = min(group_size, max(1, max_rows // groups))
+    return torch.tensor([g * group_size + j for g in range(groups) for j in range(k)], dtype=torch.long)
 
 
 class Gallery:
@@ -93,7 +206,8 @@ class Gallery:
     Args:
         out_dir: the run directory.
         wandb_run: a ``wandb`` run (``RunLogger.run``), or None for files only.
-        max_rows: samples per gallery (the first ones of the batch).
+        max_rows: samples per gallery: the first ones of the batch, or, when ``log`` is given ``group_size``,
+            spread over every group (at least one per group, so more than ``max_rows`` when there are more groups).
     """
 
     def __init__(self, out_dir: str | os.PathLike, *, wandb_run=None, max_rows: int = 16):
@@ -113,10 +227,11 @@ class Gallery:
         rewards: torch.Tensor,
         components: dict[str, torch.Tensor] | None = None,
         advantages: torch.Tensor | None = None,
+        group_size: int | None = None,
         tag: str = "train",
         fps: int = 8,
     ) -> dict[str, Path]:
-        """Log the first ``max_rows`` samples of a batch.
+        """Log some samples of a batch: the first ``max_rows``, or with ``group_size`` some of every group.
 
         Args:
             step: training step (x axis in W&B, file name here).
@@ -124,6 +239,8 @@ class Gallery:
             media: images ``[B, 3, H, W]`` or videos ``[B, T, 3, H, W]``, float in [0, 1] (or uint8).
             rewards: ``[B]`` training scalar; components: ``{name: [B]}`` (e.g. ``RewardOutput.components``);
                 advantages: ``[B]`` or None.
+            group_size: None, or ``G`` when the batch is consecutive groups of ``G`` samples of one prompt: the
+                gallery then shows the first ``k = min(G, max(1, max_rows // (B / G)))`` samples of every group.
             tag: ``"train"``, ``"eval"``, ...: the sub-directory and the W&B key prefix.
             fps: frame rate of the W&B videos.
 
@@ -137,14 +254,18 @@ class Gallery:
         clash = sorted(set(components) & set(_FIXED))
         if clash:
             raise ValueError(f"Gallery.log: reward component names {clash} clash with the gallery's own columns")
-        n = min(media.shape[0], self.max_rows)
-        if len(prompts) < n:
-            raise ValueError(f"Gallery.log: {len(prompts)} prompts for {media.shape[0]} samples")
-        prompts = [str(p) for p in prompts[:n]]
-        pixels = to_uint8(media[:n])  # [n, (T,) 3, H, W]
-        rewards_t = _column(rewards, "rewards", n)
-        adv_t = None if advantages is None else _column(advantages, "advantages", n)
-        comp_t = {name: _column(v, f"components[{name!r}]", n) for name, v in components.items()}
+        batch = media.shape[0]
+        if batch == 0:
+            raise ValueError("Gallery.log: an empty batch")
+        index = _rows(batch, self.max_rows, group_size)
+        n = len(index)
+        if len(prompts) <= int(index.max()):
+            raise ValueError(f"Gallery.log: {len(prompts)} prompts for {batch} samples")
+        prompts = [str(prompts[i]) for i in index.tolist()]
+        pixels = to_uint8(media[index.to(media.device)])  # [n, (T,) 3, H, W]
+        rewards_t = _column(rewards, "rewards", index, batch)
+        adv_t = None if advantages is None else _column(advantages, "advantages", index, batch)
+        comp_t = {name: _column(v, f"components[{name!r}]", index, batch) for name, v in components.items()}
 
         folder = self.out_dir / "gallery" / tag
         folder.mkdir(parents=True, exist_ok=True)
@@ -170,14 +291,19 @@ class Gallery:
         os.replace(tmp, parquet)  # a half-written file never carries the final name
 
         h, w = pixels.shape[-2:]
+        s = max(1, math.ceil(_MIN_SIDE / min(h, w)))
         if is_video:
             pick = np.unique(np.linspace(0, frames - 1, min(frames, _GRID_FRAMES)).round().astype(int))
-            rows = [[p[t].permute(1, 2, 0).numpy() for t in pick] for p in pixels]
+            cells = [_frames_strip([_upscale(p[t].permute(1, 2, 0).numpy(), s) for t in pick]) for p in pixels]
+            ncols = 1
         else:
-            cells = [p.permute(1, 2, 0).numpy() for p in pixels]
-            rows = [cells[i:i + _GRID_COLS] for i in range(0, n, _GRID_COLS)]
+            cells = [_upscale(p.permute(1, 2, 0).numpy(), s) for p in pixels]
+            ncols = _GRID_COLS
+        text_width = cells[0].shape[1] - 2 * _MARGIN
+        labels = [_label(prompts[i], float(rewards_t[i]), None if adv_t is None else float(adv_t[i]), text_width)
+                  for i in range(n)]
         grid = folder / f"{stem}.png"
-        Image.fromarray(_grid(rows, h, w)).save(grid)
+        Image.fromarray(_grid(cells, labels, ncols)).save(grid)
         out = {"parquet": parquet, "grid": grid}
 
         if self.wandb_run is not None:

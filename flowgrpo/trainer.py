@@ -659,7 +659,7 @@ class Trainer:
                 if self.gallery is not None and t.gallery_every and self.iteration % t.gallery_every == 0:
                     b = self._last_batch
                     self.gallery.log(self.iteration, b.prompts, b.images, rewards=b.rewards, components=b.components,
-                                     advantages=b.advantages, tag="train")
+                                     advantages=b.advantages, group_size=t.group_size, tag="train")  # all its prompts
                 last = self.iteration == t.iterations
                 if t.eval_every and self.iteration % t.eval_every == 0 and not last:
                     self._record_eval()

@@ -1,9 +1,13 @@
-"""Galleries: parquet + PNG grid always, a W&B Table when a run is given; what is read back is what was logged."""
+"""Galleries: parquet + labelled PNG grid always, a W&B Table when a run is given; what is read back is what was
+logged; the grid has one framed, labelled cell per sample; the trainer's gallery shows every prompt."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +16,23 @@ from PIL import Image
 
 from flowgrpo.gallery import Gallery, read_gallery, to_uint8
 
-PAD, COLS, FRAMES = 2, 8, 8  # the grid layout documented in flowgrpo.gallery
+# the grid layout documented in flowgrpo.gallery
+PAD, COLS, FRAMES = 2, 8, 8  # grey gap around cells (and between frames), images per row, frames per video row
+MIN_SIDE, MARGIN, LINE_H = 128, 3, 13  # upscaled short side; label band = 2·MARGIN + LINE_H · lines
+GREY = (128, 128, 128)
+
+
+def band(lines: int) -> int:
+    return 2 * MARGIN + LINE_H * lines
+
+
+def upscaled(chw: torch.Tensor, s: int) -> np.ndarray:
+    return chw.permute(1, 2, 0).numpy().repeat(s, axis=0).repeat(s, axis=1)
+
+
+def dark(region: np.ndarray) -> int:
+    """Text pixels: the label text is black on white."""
+    return int((region.max(axis=-1) < 100).sum())
 
 
 def _batch(b=10, t=None, h=12, w=16, seed=0):
@@ -76,11 +96,23 @@ def test_image_gallery_round_trip(tmp_path, request, with_wandb):
             assert _same_float(row[name], values[i]), name
     assert rows[0]["image"].eq(255).all() and rows[1]["image"].eq(0).all()
 
-    grid = Image.open(out["grid"])
-    h, w = media.shape[-2:]
-    assert grid.size == (COLS * (w + PAD) + PAD, 2 * (h + PAD) + PAD)  # 9 images: rows of 8 and 1
-    cell = np.asarray(grid)[PAD + h + PAD:PAD + h + PAD + h, PAD:PAD + w]  # second row, first cell = sample 8
-    assert np.array_equal(cell, expected[8].permute(1, 2, 0).numpy())
+    grid = np.asarray(Image.open(out["grid"]).convert("RGB"))
+    s = math.ceil(MIN_SIDE / 12)  # 12x16 images are shown 11 times larger: 132x176
+    mh, mw = 12 * s, 16 * s
+    lb = band(2)  # a short prompt on one line, "reward r  adv a" on the next
+    ch = lb + 1 + mh
+    assert grid.shape == (2 * (ch + PAD) + PAD, COLS * (mw + PAD) + PAD, 3)  # 9 images: rows of 8 and 1
+    for i in range(9):
+        y, x = PAD + (i // COLS) * (ch + PAD), PAD + (i % COLS) * (mw + PAD)
+        assert np.array_equal(grid[y + lb + 1:y + ch, x:x + mw], upscaled(expected[i], s)), i  # nearest, exact
+        for line in range(2):  # prompt, scores: each line of the label band has text
+            assert dark(grid[y + MARGIN + line * LINE_H:y + MARGIN + (line + 1) * LINE_H, x:x + mw]) > 10, (i, line)
+        assert (grid[y:y + MARGIN, x:x + mw] == 255).all()  # the band is white around its text
+        assert (grid[y + lb, x:x + mw] == GREY).all()  # the line between label and image
+        assert (grid[y:y + ch, x - PAD:x] == GREY).all() and (grid[y - PAD:y, x:x + mw] == GREY).all()  # frame
+        assert (grid[y:y + ch, x + mw:x + mw + PAD] == GREY).all() and (grid[y + ch:y + ch + PAD, x:x + mw] == GREY).all()
+    assert (grid[PAD + ch + PAD:, PAD + mw + PAD:] == GREY).all()  # no cell after the 9th
+    assert not np.array_equal(grid[PAD:PAD + lb, PAD:PAD + mw], grid[PAD:PAD + lb, 2 * PAD + mw:2 * PAD + 2 * mw])
 
     if with_wandb:
         import wandb
@@ -111,11 +143,24 @@ def test_video_gallery_round_trip(tmp_path, request, with_wandb):
         assert row["advantage"] is None and _same_float(row["reward"], rewards[i])
         assert row["pil"].size == (t * 16, 16)
 
-    grid = Image.open(out["grid"])  # one row per sample, 8 of the 10 frames, evenly spaced
-    assert grid.size == (FRAMES * (16 + PAD) + PAD, 3 * (16 + PAD) + PAD)
-    first, last = (np.asarray(grid)[PAD:PAD + 16, x:x + 16] for x in (PAD, PAD + 7 * (16 + PAD)))
-    assert np.array_equal(first, expected[0, 0].permute(1, 2, 0).numpy())
-    assert np.array_equal(last, expected[0, -1].permute(1, 2, 0).numpy())
+    grid = np.asarray(Image.open(out["grid"]).convert("RGB"))  # one row per sample, 8 of the 10 frames
+    s = MIN_SIDE // 16
+    fw = 16 * s
+    cw = FRAMES * (fw + PAD) - PAD
+    lb = band(2)  # the prompt, then "reward r" (no advantages)
+    ch = lb + 1 + fw
+    assert grid.shape == (3 * (ch + PAD) + PAD, cw + 2 * PAD, 3)
+    picked = [0, 1, 3, 4, 5, 6, 8, 9]  # round(linspace(0, 9, 8)): evenly spaced, first and last included
+    for i in range(3):
+        y = PAD + i * (ch + PAD)
+        for line in range(2):
+            assert dark(grid[y + MARGIN + line * LINE_H:y + MARGIN + (line + 1) * LINE_H, PAD:PAD + cw]) > 10
+        for k, t in enumerate(picked):
+            x = PAD + k * (fw + PAD)
+            assert np.array_equal(grid[y + lb + 1:y + ch, x:x + fw], upscaled(expected[i, t], s)), (i, t)
+            if k:
+                assert (grid[y + lb + 1:y + ch, x - PAD:x] == GREY).all()  # frames apart
+        assert (grid[y + ch:y + ch + PAD] == GREY).all()  # rows apart
 
     if with_wandb:
         import wandb
@@ -163,3 +208,109 @@ def test_bad_inputs_say_what_is_wrong(tmp_path):
     with pytest.raises(ValueError, match="rewards has 2 values"):
         gallery.log(0, prompts, media, rewards=rewards[:2])
     assert not (tmp_path / "gallery" / "train" / "step-000000.parquet").exists()
+
+
+def test_long_prompts_wrap_and_every_label_line_is_drawn(tmp_path):
+    prompts, media, rewards, _, advantages = _batch(b=2, h=64, w=64)
+    prompts = ["a photo of " + " ".join(["an extraordinarily purple elephant"] * 20), "two dogs"]
+    out = Gallery(tmp_path).log(0, prompts, media, rewards=rewards, advantages=advantages)
+    grid = np.asarray(Image.open(out["grid"]).convert("RGB"))
+    mw = 64 * 2  # 64x64 samples show at 128x128
+    lb = band(4 + 2)  # 4 prompt lines (cut), then reward and advantage: "reward r  adv a" is wider than 122 px
+    ch = lb + 1 + mw
+    assert grid.shape == (ch + 2 * PAD, 2 * (mw + PAD) + PAD, 3)
+    lines = [[dark(grid[PAD + MARGIN + j * LINE_H:PAD + MARGIN + (j + 1) * LINE_H, x:x + mw]) for j in range(6)]
+             for x in (PAD, 2 * PAD + mw)]
+    assert all(n > 10 for n in lines[0]), lines[0]  # the long prompt fills its 4 lines, the scores 2 more
+    assert all(n > 10 for n in lines[1][:3]) and lines[1][3:] == [0, 0, 0], lines[1]  # "two dogs", then scores
+    assert read_gallery(out["parquet"])[0]["prompt"] == prompts[0]  # the parquet keeps the whole prompt
+
+
+def test_group_size_shows_every_group(tmp_path):
+    b, g = 12, 3
+    prompts, media, rewards, components, advantages = _batch(b=b)
+    prompts = [f"prompt {i // g}" for i in range(b)]
+    for max_rows, rows in [(8, [0, 1, 3, 4, 6, 7, 9, 10]), (5, [0, 3, 6, 9]), (2, [0, 3, 6, 9]), (99, list(range(12)))]:
+        out = Gallery(tmp_path / str(max_rows), max_rows=max_rows).log(
+            3, prompts, media, rewards=rewards, components=components, advantages=advantages, group_size=g)
+        got = read_gallery(out["parquet"])
+        assert [r["prompt"] for r in got] == [prompts[i] for i in rows]
+        assert [r["reward"] for r in got] == pytest.approx([float(rewards[i]) for i in rows])
+        assert [r["advantage"] for r in got] == pytest.approx([float(advantages[i]) for i in rows])
+        assert all(torch.equal(r["image"], to_uint8(media[i])) for r, i in zip(got, rows))
+        cells = math.ceil(len(rows) / COLS)
+        assert Image.open(out["grid"]).size[1] == cells * (band(2) + 1 + 12 * 11 + PAD) + PAD
+    with pytest.raises(ValueError, match="groups of group_size=5"):
+        Gallery(tmp_path).log(0, prompts, media, rewards=rewards, group_size=5)
+
+
+def test_wandb_offline_run_writes_the_table_and_the_mp4s(tmp_path, monkeypatch):
+    """A real (offline) W&B run: the table file the run writes has the columns, and the mp4s it references by hash
+    are copied into the run's storage."""
+    wandb = pytest.importorskip("wandb")
+    pytest.importorskip("imageio_ffmpeg")
+    root = tmp_path / "wandb"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_DIR", "WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR"):
+        monkeypatch.setenv(var, str(root))
+    prompts, media, rewards, components, advantages = _batch(b=3, t=6, h=16, w=16, seed=2)
+    run = wandb.init(mode="offline", project="flowgrpo-test", dir=str(root))
+    try:
+        out = Gallery(tmp_path / "run", wandb_run=run).log(
+            4, prompts, media, rewards=rewards, components=components, advantages=advantages, tag="train", fps=4)
+    finally:
+        run.finish()
+    columns = ["step", "prompt", "video", "strict", "partial/counting", "reward", "advantage"]
+    mp4s = sorted(out["mp4"].glob("*.mp4"))
+    assert len(mp4s) == 3
+    ours = {hashlib.sha256(p.read_bytes()).hexdigest() for p in mp4s}
+    assert len(ours) == 3
+
+    (table_file,) = root.glob("wandb/offline-run-*/files/media/table/train/gallery_*.table.json")
+    table = json.loads(table_file.read_text())
+    assert table["columns"] == columns
+    assert [row[:2] for row in table["data"]] == [[4, p] for p in prompts]
+    assert [row[-2] for row in table["data"]] == pytest.approx([float(r) for r in rewards])
+    assert [row[-1] for row in table["data"]] == pytest.approx([float(a) for a in advantages])
+    assert table["data"][1][4] is None  # a NaN component is an empty cell
+
+    stored = [p for p in root.rglob("*") if p.is_file()]
+    hashes = {hashlib.sha256(p.read_bytes()).hexdigest() for p in stored}
+    assert ours <= hashes  # the videos themselves went into the run's storage
+    tables = [json.loads(p.read_text()) for p in stored if p.read_bytes()[:1] == b"{" and b'"video-file"' in p.read_bytes()]
+    assert tables, "no table with video cells was written"
+    for t in tables:  # the table as W&B shows it: video cells that point at our mp4s
+        assert t["columns"] == columns
+        assert {row[2]["sha256"] for row in t["data"]} == ours and all(row[2]["_type"] == "video-file" for row in t["data"])
+
+
+def test_the_training_gallery_shows_every_prompt_of_the_iteration(tmp_path):
+    """4 prompts x 2 samples with gallery_size=2: every prompt still gets a labelled cell (its first sample)."""
+    from hydra import compose, initialize_config_dir
+
+    import flowgrpo.config  # noqa: F401  (registers the schemas)
+    from flowgrpo.trainer import Trainer
+
+    conf = str(Path(__file__).resolve().parents[1] / "conf")
+    overrides = [
+        "model=tiny_sd3", "reward=jpeg_compressibility", "logger=none", "algo=grpo", "sampler=sde",
+        "sampler.num_steps=3", "sampler.eval_num_steps=2",
+        "trainer.iterations=1", "trainer.prompts_per_iteration=4", "trainer.group_size=2",
+        "trainer.train_batch_size=8", "trainer.gradient_accumulation_steps=1",
+        "trainer.eval_before=false", "trainer.eval_every=0", "trainer.eval_num_prompts=1",
+        "trainer.eval_samples_per_tag=null", "trainer.checkpoint_every=0",
+        "trainer.gallery_every=1", "trainer.gallery_size=2", f"trainer.output_dir={tmp_path}",
+    ]
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    trainer = Trainer(cfg, tmp_path)
+    trainer.fit()
+    batch = trainer._last_batch
+    rows = read_gallery(tmp_path / "gallery" / "train" / "step-000001.parquet")
+    assert [r["prompt"] for r in rows] == batch.prompts[::2]  # the first sample of each of the 4 groups
+    assert [r["reward"] for r in rows] == pytest.approx(batch.rewards[::2].tolist())
+    assert [r["advantage"] for r in rows] == pytest.approx(batch.advantages[::2].tolist())
+    grid = Image.open(tmp_path / "gallery" / "train" / "step-000001.png")
+    s = MIN_SIDE // 32  # the tiny model's 32x32 images show at 128x128
+    assert grid.size[0] == 4 * (32 * s + PAD) + PAD  # one labelled cell per prompt
