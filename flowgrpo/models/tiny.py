@@ -9,7 +9,8 @@ The component sizes follow diffusers' own ``get_dummy_components`` in its pipeli
 (``tests/pipelines/{stable_diffusion_3,flux,wan}``), with the following modifications: in-memory
 tokenizers instead of ``hf-internal-testing`` downloads, a VAE with two blocks (scale factor 2, so latents
 are smaller than images as in the real models), FLUX with ``guidance_embeds=True`` and FLUX-dev's dynamic
-shifting scheduler config, Wan with ``UMT5EncoderModel`` (as Wan ships) and ``shift=5.0``.
+shifting scheduler config, Wan with ``UMT5EncoderModel`` (as Wan ships) and ``shift=5.0``. The Wan 2.2
+TI2V-5B layout (``build_tiny_pipeline("wan", ti2v=True)``) follows ``tests/pipelines/wan/test_wan_22.py``.
 """
 
 from __future__ import annotations
@@ -218,7 +219,9 @@ def _flux(seed: int) -> FluxPipeline:
     )
 
 
-def _wan(seed: int) -> WanPipeline:
+def _wan(seed: int, ti2v: bool = False) -> WanPipeline:
+    if ti2v:
+        return _wan22_ti2v(seed)
     torch.manual_seed(seed)
     vae = AutoencoderKLWan(
         base_dim=3,
@@ -257,6 +260,59 @@ def _wan(seed: int) -> WanPipeline:
     )
 
 
+def _wan22_ti2v(seed: int) -> WanPipeline:
+    """Wan 2.2 TI2V-5B's layout at toy width: one transformer on 48 latent channels, per-token timesteps
+    (``expand_timesteps``), and the Wan 2.2 VAE (z_dim 48, residual blocks, 2x2 pixel patchify on 12 channels:
+    spatial x16 = 8 from its blocks x 2 from the patch, temporal x4). Sizes follow diffusers' Wan 2.2 5B pipeline
+    test; the per-channel latent statistics are non-trivial (the real ones are not 0/1), so decoding must apply
+    them."""
+    torch.manual_seed(seed)
+    z_dim = 48
+    vae = AutoencoderKLWan(
+        base_dim=3,
+        z_dim=z_dim,
+        in_channels=12,       # 3 RGB channels x the 2x2 patch
+        out_channels=12,
+        is_residual=True,
+        patch_size=2,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+        latents_mean=[round(-0.3 + 0.6 * i / (z_dim - 1), 4) for i in range(z_dim)],
+        latents_std=[round(0.5 + 0.7 * ((7 * i) % z_dim) / (z_dim - 1), 4) for i in range(z_dim)],
+    )
+    tokenizer = tiny_t5_tokenizer()
+    torch.manual_seed(seed + 1)
+    text_encoder = UMT5EncoderModel(UMT5Config(**_t5_kwargs(tokenizer)))
+    torch.manual_seed(seed + 2)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=z_dim,
+        out_channels=z_dim,
+        text_dim=_WIDTH,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=1024,  # as the real model: frames up to 1024 patches per axis (the preset is 22x40)
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)  # TI2V-5B ships UniPC with flow_shift 5.0
+    return WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        transformer=transformer,
+        vae=vae,
+        scheduler=scheduler,
+        transformer_2=None,
+        expand_timesteps=True,
+    )
+
+
 _BUILDERS = {"sd3": _sd3, "flux": _flux, "wan": _wan}
 
 
@@ -274,7 +330,9 @@ def build_tiny_pipeline(
         torch_dtype (`torch.dtype`, defaults to `torch.float32`):
             Built in float32, then cast (fine for random weights, unlike casting real checkpoints).
         kwargs:
-            Family options. `sd3`: `with_t5=False` adds a tiny T5 as `text_encoder_3`.
+            Family options. `sd3`: `with_t5=False` adds a tiny T5 as `text_encoder_3`. `wan`: `ti2v=True` builds
+            the Wan 2.2 TI2V-5B layout instead of Wan 2.1's (48 latent channels, the x16 patchifying VAE,
+            per-token timesteps).
 
     Returns:
         A `StableDiffusion3Pipeline`, `FluxPipeline` or `WanPipeline` on CPU with every module in eval mode.

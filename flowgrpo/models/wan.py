@@ -1,6 +1,8 @@
-"""Wan 2.1 text-to-video (``WanPipeline``) as a flow adapter."""
+"""Wan text-to-video (``WanPipeline``: Wan 2.1 T2V, Wan 2.2 TI2V-5B) as a flow adapter."""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 from diffusers import WanPipeline
@@ -12,10 +14,14 @@ __all__ = ["WanAdapter"]
 
 class WanAdapter(FlowAdapter):
     r"""
-    Adapter for `WanPipeline` with one transformer (Wan 2.1 T2V 1.3B / 14B, Wan 2.2 TI2V 5B).
+    Adapter for `WanPipeline` with one transformer (Wan 2.1 T2V 1.3B / 14B, Wan 2.2 TI2V 5B text-to-video).
 
-    Latents are `[B, C, F, H/8, W/8]` with F = (num_frames − 1)/4 + 1, float32 as the pipeline keeps them; the
-    transformer takes σ·1000 (per token with Wan 2.2's `expand_timesteps`). Wan ships a UniPC scheduler: it is
+    Latents are `[B, C, F, H/s, W/s]` with F = (num_frames − 1)/4 + 1 and s the VAE's spatial factor, float32 as
+    the pipeline keeps them: C = 16, s = 8 for Wan 2.1; C = 48, s = 16 for Wan 2.2 TI2V (its VAE patchifies 2x2
+    pixels before three x2 downsamplings). Height and width must be multiples of s times the transformer's 2x2
+    patch (16 for Wan 2.1, 32 for Wan 2.2). The transformer takes σ·1000: one value per sample, or one per latent
+    token with Wan 2.2's `expand_timesteps` (the pipeline's `[B, F·h/2·w/2]` layout). Decoding un-normalises with
+    the VAE's own per-channel `latents_mean` / `latents_std` (16 or 48 of them). Wan ships a UniPC scheduler: it is
     replaced by `FlowMatchEulerDiscreteScheduler` with the same `flow_shift` (our samplers step Euler on explicit
     sigmas). Two-expert pipelines (Wan 2.2 A14B, `transformer_2`) are not supported.
 
@@ -33,6 +39,11 @@ class WanAdapter(FlowAdapter):
     family = "wan"
     is_video = True
     per_frame_sigmas = True
+    #: Output pixels (frames x height x width) one VAE call decodes: a batch is decoded in chunks of whole clips
+    #: under this budget (at least one clip per call), so decoding memory stays flat in the number of rollouts a
+    #: process scores at once. 2**25 puts the embedded 64x64 world's batches in one call (the pipeline's own
+    #: decode, bit for bit), 2 clips of 480x832x33 per call, and 1 clip of 704x1280x49 (several GB each).
+    decode_pixels_per_call: ClassVar[int] = 2**25
 
     def __init__(self, pipe: WanPipeline):
         if getattr(pipe, "transformer_2", None) is not None or pipe.transformer is None:
@@ -91,5 +102,15 @@ class WanAdapter(FlowAdapter):
         mean = torch.tensor(vae.config.latents_mean, device=latents.device, dtype=latents.dtype).view(shape)
         # Written as the pipeline writes it (divide by 1/std), which keeps the output bit-identical.
         inv_std = 1.0 / torch.tensor(vae.config.latents_std, device=latents.device, dtype=latents.dtype).view(shape)
-        video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
-        return self.pipe.video_processor.postprocess_video(video, output_type="pt")
+        _, _, frames, height, width = latents.shape
+        pixels_per_clip = (
+            ((frames - 1) * self.pipe.vae_scale_factor_temporal + 1)
+            * height * self.pipe.vae_scale_factor_spatial
+            * width * self.pipe.vae_scale_factor_spatial
+        )
+        chunk = max(1, self.decode_pixels_per_call // pixels_per_clip)
+        videos = []
+        for part in latents.split(chunk):
+            video = vae.decode(part / inv_std + mean, return_dict=False)[0]
+            videos.append(self.pipe.video_processor.postprocess_video(video, output_type="pt"))
+        return videos[0] if len(videos) == 1 else torch.cat(videos)
