@@ -19,7 +19,11 @@ What it builds (real diffusers / transformers classes at small widths, the code 
 
 Training, over one global step counter (one ``--resume`` covers every stage):
 
-1. **VAE** (``--vae-steps``): L1 + MSE reconstruction of posterior samples + ``--kl-weight`` x KL on 9-frame clips
+1. **VAE** (``--vae-steps``): L1 + MSE reconstruction of posterior samples (decoded without the VAE's output clamp:
+   see ``decode_unclamped``), the objects' pixels weighted ``1 + --ink-weight`` (5: without it the causal VAE sits
+   for hundreds of steps at blank white frames, the best answer for the 90% of pixels that are background;
+   measured on one batch of 4 clips, error on the objects' pixels after 120 steps 0.16 with it, 0.42 without),
+   + ``--kl-weight`` x KL on 9-frame clips
    (1 + 4 + 4: the third chunk already sees a full causal cache, as every later chunk of a longer clip does), then
    the per-channel latent mean / std over ``--stat-batches`` batches of 13-frame clips.
 2. **Flow matching** (``--flow-steps``): transformer and text encoder, frozen VAE, rectified flow as Wan:
@@ -205,6 +209,21 @@ def collapsed_velocity(transformer, x, timestep, embeds, lengths, pad_counts):
         transformer.set_attn_processor(processors)
 
 
+def decode_unclamped(vae: AutoencoderKLWan, z: torch.Tensor) -> torch.Tensor:
+    """``vae.decode(z)`` without its final clamp to [-1, 1]. The clamp has zero gradient outside the range, and the
+    world's white background sits exactly at +1: trained through it, a decoder that overshoots white gets no
+    gradient and the VAE collapses to blank frames. Same causal frame-by-frame loop as ``AutoencoderKLWan._decode``
+    (no tiling, no patchify: this VAE uses neither)."""
+    vae.clear_cache()
+    x = vae.post_quant_conv(z)
+    frames = []
+    for i in range(x.shape[2]):
+        vae._conv_idx = [0]
+        frames.append(vae.decoder(x[:, :, i : i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=i == 0))
+    vae.clear_cache()
+    return torch.cat(frames, 2)
+
+
 # ---------------------------------------------------------------------------------------------- data
 def held_out_prompts(path: Path = TEST_PROMPTS) -> set[str]:
     if not path.exists():
@@ -323,15 +342,20 @@ class Trainer:
         x, _ = render_batch(self.data_rng, args.vae_batch, self.exclude, VAE_FRAMES)
         x = x.to(self.device)
         posterior = self.vae.encode(x).latent_dist
-        recon = self.vae.decode(posterior.sample()).sample
-        rec = F.l1_loss(recon, x) + F.mse_loss(recon, x)
+        recon = decode_unclamped(self.vae, posterior.sample())
+        ink = (x < 0.9).any(1, keepdim=True).expand_as(x)  # the objects' pixels (edges included)
+        weight = 1.0 + args.ink_weight * ink.float()
+        err = recon - x
+        rec = (weight * err.abs()).mean() + (weight * err.pow(2)).mean()
         kl = 0.5 * (posterior.mean.pow(2) + posterior.var - 1.0 - posterior.logvar).mean()
         loss = rec + args.kl_weight * kl
         self.vae_opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.vae.parameters(), 1.0)
         self.vae_opt.step()
-        return {"loss": loss.item(), "rec": rec.item(), "kl": kl.item()}
+        with torch.no_grad():  # error on the objects' pixels (a blank reconstruction scores ~1 here, a good one ~0)
+            ink_err = (recon.clamp(-1, 1) - x).abs()[ink].mean() if ink.any() else recon.new_zeros(())
+        return {"loss": loss.item(), "rec": rec.item(), "kl": kl.item(), "ink_mae": ink_err.item()}
 
     @torch.no_grad()
     def set_latent_stats(self) -> None:
@@ -437,6 +461,7 @@ def parse_args(argv=None):
     p.add_argument("--vae-batch", type=int, default=8)
     p.add_argument("--vae-lr", type=float, default=1e-3)
     p.add_argument("--kl-weight", type=float, default=1e-3, help="KL to N(0,I), per latent element")
+    p.add_argument("--ink-weight", type=float, default=5.0, help="extra reconstruction weight of the objects' pixels")
     p.add_argument("--stat-batches", type=int, default=8, help="batches for the per-channel latent mean / std")
     p.add_argument("--flow-steps", type=int, default=3000)
     p.add_argument("--batch", type=int, default=32, help="flow-matching batch")
@@ -473,7 +498,7 @@ def main(argv=None) -> Trainer:
         raise SystemExit(f"--export-only needs a checkpoint: {ckpt} does not exist (set --ckpt-dir)")
     if (args.resume or args.export_only) and ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        for key in ("size", "seed", "vae_steps", "batch", "vae_batch", "opposite_prob", "still_prob", "num_frames"):
+        for key in ("size", "seed", "vae_steps", "batch", "vae_batch", "ink_weight", "opposite_prob", "still_prob", "num_frames"):
             if state["args"].get(key) != getattr(args, key):
                 print(f"[pretrain] warning: --{key.replace('_', '-')} {getattr(args, key)} differs from the checkpoint's {state['args'].get(key)}", flush=True)
         trainer.load_state_dict(state)

@@ -44,6 +44,8 @@ EXPECTED_MISSING = {
     ("data", "text_prompts"): {"data.train_file"},
     ("data", "geneval"): {"data.train_file", "data.test_file"},
     ("experiment", "flow_grpo_sd35m_geneval"): {"data.train_file", "data.test_file"},
+    ("experiment", "flow_grpo_wan21_1_3b"): {"data.train_file"},  # the user's prompt list
+    ("experiment", "flow_grpo_wan22_5b"): {"data.train_file"},
 }
 
 ALL_OPTIONS = [(g, o) for g in GROUPS + PRESETS for o in options(g)]

@@ -63,3 +63,13 @@ def test_resume_is_exact_and_export_loads_with_plain_from_pretrained(tmp_path):
     video = pipe("a red circle moving left", height=64, width=64, num_frames=5, num_inference_steps=2, output_type="pt").frames
     assert video.shape == (1, 5, 3, 64, 64) and torch.isfinite(video).all()
     assert json.loads((tmp_path / "a" / "pipe" / "pretrain_summary.json").read_text())["step"] == 5
+
+
+def test_unclamped_decode_matches_the_vae_inside_the_range():
+    torch.manual_seed(0)
+    vae = pw.build_pipeline("toy").vae.eval()
+    z = torch.randn(2, 16, 2, 4, 4)
+    with torch.no_grad():
+        raw, ref = pw.decode_unclamped(vae, z), vae.decode(z).sample
+    assert raw.shape == ref.shape == (2, 3, 5, 16, 16)
+    torch.testing.assert_close(raw.clamp(-1, 1), ref)
