@@ -239,7 +239,7 @@ class TrainerConfig:
     eval_samples_per_prompt: int = _knob(1, ge=1)  # fixed-seed images per held-out prompt (GenEval: 4)
     eval_samples_per_tag: Optional[int] = _knob(48, ge=1)  # at least this many images per metadata tag (small tags get more seeds; null = none)
     gallery_every: int = _knob(10, ge=0)  # iterations between galleries (PNG grid + parquet + W&B table); 0 = off
-    gallery_size: int = _knob(16, ge=1)  # samples per gallery
+    gallery_size: int = _knob(16, ge=1)  # samples per gallery; the training gallery shows at least one per prompt
     log_every: int = _knob(1, ge=1)  # iterations between scalar logs
     checkpoint_every: int = _knob(50, ge=0)  # iterations between checkpoints; 0 = only at the end
     keep_checkpoints: Optional[int] = _knob(2, ge=1)  # newest checkpoints kept; null = all
