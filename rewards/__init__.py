@@ -4,7 +4,7 @@ from .base import RewardOutput, available, load, register
 from ._loading import MissingWeightsError  # raised by learned rewards whose weights are absent
 from .clip import CLIPScore, HPSv21, LaionAesthetic, PickScore  # registers "clipscore", "hpsv21", "aesthetic", "pickscore"
 from .image_reward import ImageReward  # registers "imagereward"
-from .geneval import GenEval, geneval_prefixes, geneval_summary  # registers "geneval"
+from .geneval import GenEval, VideoGenEval, geneval_prefixes, geneval_summary  # registers "geneval", "video_geneval"
 from .jpeg import JpegCompressibility  # registers "jpeg_compressibility", "jpeg_incompressibility"
 from .multi import MultiReward  # registers "multi"
 from .ocr import OcrReward  # registers "ocr"
@@ -14,5 +14,5 @@ from .video import VideoClipScore, VideoConsistency, VideoFlicker, VideoMotion  
 __all__ = [
     "CLIPScore", "GenEval", "HPSv21", "ImageReward", "JpegCompressibility", "LaionAesthetic", "MissingWeightsError",
     "MultiReward", "OcrReward", "PickScore", "RemoteReward", "RewardOutput", "VideoClipScore", "VideoConsistency",
-    "VideoFlicker", "VideoMotion", "available", "geneval_prefixes", "geneval_summary", "load", "register",
+    "VideoFlicker", "VideoGenEval", "VideoMotion", "available", "geneval_prefixes", "geneval_summary", "load", "register",
 ]

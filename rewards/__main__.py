@@ -1,4 +1,4 @@
-"""``python -m rewards <command>``: score images with a reward, standalone.
+"""``python -m rewards <command>``: score images (or moving-shapes clips) with a reward, standalone.
 
 Commands (argparse subparsers):
 
@@ -33,7 +33,28 @@ Commands (argparse subparsers):
     pair with lines in order). The summary's ``stats`` has ``n``/``mean``/``std``/``min``/``max`` of the score
     and of every component over the images (NaN entries, e.g. a per-tag component on other tags' images,
     left out); NaN is written as null.
-    Images only: video rewards take ``[B, T, 3, H, W]`` clips in code.
+    Images only: video rewards take ``[B, T, 3, H, W]`` clips in code (``video_geneval`` has its own command).
+
+``python -m rewards video_geneval --videos DIR --metadata FILE [--out FILE]``
+    Judge a folder of clips against a JSONL file of video GenEval metadata (one dict per line, e.g.
+    ``assets/prompts/motion_test.jsonl``) with ``rewards.load("video_geneval")`` and print JSON:
+    ``{"summary": {...}, "videos": [...]}`` (``--out`` writes it to a file instead).
+
+    A clip is one entry directly in DIR, any of:
+
+    - a **directory of frames**: its ``.png/.jpg/.jpeg/.webp/.bmp`` files, in name order (``000.png``, ...);
+    - a **.npy** array, ``[T, H, W, 3]`` or ``[T, 3, H, W]``, uint8 or float in [0, 1];
+    - a **.mp4** (or ``.gif`` / ``.webm`` / ``.avi`` / ``.mov``) file, read with ``imageio`` (mp4 needs the
+      ``imageio`` and ``imageio-ffmpeg`` packages; lossy codecs smear the world's small shapes, so frame
+      directories or .npy are the faithful forms).
+
+    Clips are matched to metadata lines as images are by ``geneval``: if every entry's name starts with digits
+    (``00012.mp4``, ``12_3/``), those digits are the 0-based metadata line; otherwise the entries, sorted by
+    name, are matched to the lines in order, one clip per line (counts must agree).
+
+    The summary has ``n``, the means of ``strict`` and ``partial``, ``per_tag`` (``strict``, ``partial``, ``n``),
+    ``geneval`` / ``geneval_partial`` = the mean over tags of the per-tag means (GenEval's overall score), and
+    per check (object, color, count, motion, speed, still, identity) its pass rate over the clips it applies to.
 """
 
 from __future__ import annotations
@@ -45,6 +66,13 @@ import sys
 from pathlib import Path
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+VIDEO_SUFFIXES = {".mp4", ".gif", ".webm", ".avi", ".mov"}
+
+
+def _section(command: str) -> str:
+    """The module doc's section of one command, for its ``--help``."""
+    text = __doc__.split(f"``python -m rewards {command} ")[1].split("\n", 1)[1]
+    return text.split("``python -m rewards ")[0]
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -234,6 +262,135 @@ def _cmd_score(args: argparse.Namespace) -> int:
     return 0
 
 
+def _video_entries(videos_dir: Path) -> list[Path]:
+    """The clips of DIR: frame directories, .npy arrays and video files (module doc)."""
+    if not videos_dir.is_dir():
+        raise SystemExit(f"--videos {videos_dir}: not a directory")
+    entries = []
+    for p in sorted(videos_dir.iterdir()):
+        if p.is_dir() and any(f.suffix.lower() in IMAGE_SUFFIXES for f in p.iterdir() if f.is_file()):
+            entries.append(p)
+        elif p.is_file() and (p.suffix.lower() == ".npy" or p.suffix.lower() in VIDEO_SUFFIXES):
+            entries.append(p)
+    if not entries:
+        raise SystemExit(f"--videos {videos_dir}: no clips (frame directories, .npy, {', '.join(sorted(VIDEO_SUFFIXES))})")
+    return entries
+
+
+def _pair_videos(videos_dir: Path, rows: list, rows_file: Path) -> list[tuple[Path, int, object]]:
+    """(clip path, metadata index, metadata) per clip, matched as images are (module doc)."""
+    entries = _video_entries(videos_dir)
+    indices = [re.match(r"^(\d+)", p.name) for p in entries]
+    if all(indices):
+        pairs = []
+        for path, match in zip(entries, indices):
+            index = int(match.group(1))
+            if index >= len(rows):
+                raise SystemExit(f"{path.name}: index {index} but {rows_file} has only {len(rows)} lines")
+            pairs.append((path, index, rows[index]))
+        return pairs
+    if len(entries) != len(rows):
+        raise SystemExit(
+            f"{len(entries)} clips in {videos_dir} but {len(rows)} metadata lines in {rows_file}; name the clips with "
+            f"a leading metadata index (e.g. 00012.mp4, 00012/) or give exactly one clip per line"
+        )
+    return [(path, i, row) for i, (path, row) in enumerate(zip(entries, rows))]
+
+
+def read_clip(path: Path):
+    """One clip as uint8 ``[T, H, W, 3]`` from a frame directory, a .npy array or a video file (module doc)."""
+    import numpy as np
+    from PIL import Image
+
+    path = Path(path)
+    if path.is_dir():
+        frames = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+        clip = np.stack([np.asarray(Image.open(f).convert("RGB")) for f in frames])
+    elif path.suffix.lower() == ".npy":
+        clip = np.load(path)
+        if clip.ndim != 4 or 3 not in (clip.shape[1], clip.shape[-1]):
+            raise ValueError(f"{path}: expected a [T, H, W, 3] or [T, 3, H, W] array, got shape {clip.shape}")
+        if clip.shape[-1] != 3:
+            clip = clip.transpose(0, 2, 3, 1)
+        if clip.dtype != np.uint8:
+            if not np.issubdtype(clip.dtype, np.floating):
+                raise ValueError(f"{path}: expected uint8 or float frames in [0, 1], got {clip.dtype}")
+            clip = np.rint(np.clip(clip, 0.0, 1.0) * 255).astype(np.uint8)
+    elif path.suffix.lower() == ".gif":
+        with Image.open(path) as im:
+            clip = []
+            for i in range(getattr(im, "n_frames", 1)):
+                im.seek(i)
+                clip.append(np.asarray(im.convert("RGB")))
+        clip = np.stack(clip)
+    else:
+        try:
+            import imageio.v3 as iio
+        except ImportError as err:
+            raise ImportError(f"{path}: reading {path.suffix} needs imageio (and imageio-ffmpeg): pip install imageio "
+                              "imageio-ffmpeg; or give frame directories / .npy arrays") from err
+        clip = np.asarray(iio.imread(path, index=None))
+        if clip.ndim == 4 and clip.shape[-1] == 4:
+            clip = clip[..., :3]
+    if clip.ndim != 4 or clip.shape[-1] != 3 or len(clip) == 0:
+        raise ValueError(f"{path}: expected RGB frames [T, H, W, 3], got shape {clip.shape}")
+    return np.ascontiguousarray(clip)
+
+
+def _cmd_video_geneval(args: argparse.Namespace) -> int:
+    import torch
+
+    from .base import load
+    from .geneval.summary import geneval_summary
+    from .geneval.video import CHECKS
+
+    metadata_file = Path(args.metadata)
+    if not metadata_file.is_file():
+        raise SystemExit(f"--metadata {metadata_file}: no such file")
+    pairs = _pair_videos(Path(args.videos), _read_jsonl(metadata_file), metadata_file)
+    reward = load("video_geneval")
+    records = []
+    for path, index, meta in pairs:
+        verdict = reward.judge([read_clip(path)], [meta])[0]
+        records.append(
+            {
+                "file": str(path.relative_to(args.videos)),
+                "index": index,
+                "tag": meta["tag"],
+                "prompt": meta.get("prompt"),
+                "strict": bool(verdict.strict),
+                "partial": verdict.partial,
+                "checks": verdict.checks,
+                "reason": verdict.reason,
+            }
+        )
+    comps = {"strict": torch.tensor([float(r["strict"]) for r in records]),
+             "partial": torch.tensor([r["partial"] for r in records])}
+    tags = geneval_summary(comps, [{"tag": r["tag"]} for r in records])
+    checks = {}
+    for name in CHECKS:
+        seen = [r["checks"][name] for r in records if name in r["checks"]]
+        if seen:
+            checks[name] = {"n": len(seen), "pass": sum(seen) / len(seen)}
+    summary = {
+        "n": len(records),
+        "strict": sum(r["strict"] for r in records) / len(records),
+        "partial": sum(r["partial"] for r in records) / len(records),
+        "geneval": tags["overall"],
+        "geneval_partial": tags["overall_partial"],
+        "per_tag": tags["per_tag"],
+        "checks": checks,
+    }
+    result = {"summary": summary, "videos": records}
+    text = json.dumps(result, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+        print(json.dumps(summary, indent=1))
+    else:
+        print(text)
+    return 0
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     from .base import available
 
@@ -242,7 +399,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m rewards", description="Score images with a reward, standalone.")
+    parser = argparse.ArgumentParser(prog="python -m rewards",
+                                     description="Score images (or moving-shapes clips) with a reward, standalone.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
 
     p = sub.add_parser("list", help="list the reward names rewards.load accepts")
@@ -251,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "geneval",
         help="GenEval-score a folder of images against GenEval metadata",
-        description=__doc__.split("``python -m rewards geneval")[1].split("\n", 1)[1].split("``python -m rewards score")[0],
+        description=_section("geneval"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--images", required=True, help="folder of images (see matching rules above)")
@@ -268,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "score",
         help="score a folder of images with any reward",
-        description=__doc__.split("``python -m rewards score")[1].split("\n", 1)[1],
+        description=_section("score"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--reward", required=True, help="reward name (python -m rewards list)")
@@ -278,6 +436,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--out", default=None, help="write the full JSON here (the summary still goes to stdout)")
     p.set_defaults(func=_cmd_score)
+
+    p = sub.add_parser(
+        "video_geneval",
+        help="judge a folder of moving-shapes clips against video GenEval metadata",
+        description=_section("video_geneval"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--videos", required=True,
+                   help="folder of clips: frame directories, .npy arrays or .mp4 files (see matching rules above)")
+    p.add_argument("--metadata", required=True, help="JSONL, one video GenEval metadata dict per line")
+    p.add_argument("--out", default=None, help="write the full JSON here (the summary still goes to stdout)")
+    p.set_defaults(func=_cmd_video_geneval)
     return parser
 
 
