@@ -457,7 +457,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), default="asset", help="model sizes (toy: tests)")
     p.add_argument("--num-frames", type=int, default=NUM_FRAMES, help="frames per training clip (4k+1)")
-    p.add_argument("--vae-steps", type=int, default=500)
+    p.add_argument("--vae-steps", type=int, default=1000)
     p.add_argument("--vae-batch", type=int, default=8)
     p.add_argument("--vae-lr", type=float, default=1e-3)
     p.add_argument("--kl-weight", type=float, default=1e-3, help="KL to N(0,I), per latent element")
