@@ -26,7 +26,8 @@ Each call writes, always (so a run with ``logger=none`` can still be looked at):
   cells; a video is one row per sample, a strip of up to 8 evenly spaced frames (first and last included) with 2
   grey pixels between frames, its label above the strip. The label band is ``6 + 13 · L`` pixels high, ``L``
   being the most lines any label of the grid needs, so cells line up. Cells are separated and framed by 2 grey
-  (128, 128, 128) pixels, so white backgrounds do not run into each other.
+  (128, 128, 128) pixels, so white backgrounds do not run into each other. :func:`labelled_grid` draws the same
+  grid for any samples, frame count, upscaling and label notes (held-out sample sheets).
 
 and, with a W&B run, a ``wandb.Table(step, prompt, image|video, *components, reward, advantage)`` under
 ``{tag}/gallery`` at ``step`` (log it no later than the scalars of that step: W&B drops steps that go back).
@@ -54,7 +55,7 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["Gallery", "read_gallery", "to_uint8"]
+__all__ = ["Gallery", "labelled_grid", "read_gallery", "to_uint8"]
 
 _GRID_COLS = 8  # images per grid row
 _GRID_FRAMES = 8  # frames per video row of the grid
@@ -138,11 +139,10 @@ def _wrap(pieces: list[str], width: int, *, sep: str = " ", max_lines: int | Non
     return lines
 
 
-def _label(prompt: str, reward: float, advantage: float | None, width: int) -> list[str]:
-    """The lines of one cell's label: the prompt, then the scores."""
+def _label(prompt: str, notes: list[str], width: int) -> list[str]:
+    """The lines of one cell's label: the prompt, then the notes (e.g. the scores) two spaces apart."""
     text = _drawable(prompt).split() or ["(empty prompt)"]
-    scores = [f"reward {reward:.3f}"] + ([] if advantage is None else [f"adv {advantage:+.3f}"])
-    return _wrap(text, width, max_lines=_PROMPT_LINES) + _wrap(scores, width, sep="  ")
+    return _wrap(text, width, max_lines=_PROMPT_LINES) + _wrap([_drawable(n) for n in notes], width, sep="  ")
 
 
 def _upscale(hwc: np.ndarray, s: int) -> np.ndarray:
@@ -180,6 +180,49 @@ def _frames_strip(frames: list[np.ndarray]) -> np.ndarray:
     for k, f in enumerate(frames):
         out[:, k * (w + _PAD):k * (w + _PAD) + w] = f
     return out
+
+
+def labelled_grid(
+    media: torch.Tensor,
+    prompts: list[str],
+    notes: list[list[str]],
+    *,
+    columns: int | None = None,
+    max_frames: int = _GRID_FRAMES,
+    min_side: int = _MIN_SIDE,
+) -> Image.Image:
+    """The labelled grid of :meth:`Gallery.log` (its ``.png``) for any samples and label notes.
+
+    Args:
+        media: images ``[N, 3, H, W]`` or videos ``[N, T, 3, H, W]``, float in [0, 1] or uint8 (:func:`to_uint8`).
+        prompts: ``N`` prompts, the first lines of each label (wrapped, at most 4 lines, latin-1).
+        notes: per sample the pieces of the label's last lines, two spaces apart and wrapped between pieces
+            (``Gallery.log``: ``["reward 0.734", "adv +1.234"]``).
+        columns: cells per row (default: 8 images, or one video per row).
+        max_frames: a video shows this many evenly spaced frames (first and last included), or all it has.
+        min_side: media are upscaled by nearest neighbour by the integer factor ``ceil(min_side / min(H, W))``.
+
+    Returns:
+        The RGB grid: label bands, media, 2-pixel grey frames, as the module doc describes.
+    """
+    if media.ndim not in (4, 5) or media.shape[-3] != 3 or media.shape[0] == 0:
+        raise ValueError(f"labelled_grid: media must be a non-empty [N,3,H,W] or [N,T,3,H,W], got {tuple(media.shape)}")
+    if not len(prompts) == len(notes) == media.shape[0]:
+        raise ValueError(f"labelled_grid: {media.shape[0]} samples, {len(prompts)} prompts, {len(notes)} notes")
+    pixels = to_uint8(media)
+    h, w = pixels.shape[-2:]
+    s = max(1, math.ceil(min_side / min(h, w)))
+    if pixels.ndim == 5:
+        frames = pixels.shape[1]
+        pick = np.unique(np.linspace(0, frames - 1, max(1, min(frames, max_frames))).round().astype(int))
+        cells = [_frames_strip([_upscale(p[t].permute(1, 2, 0).numpy(), s) for t in pick]) for p in pixels]
+        ncols = columns or 1
+    else:
+        cells = [_upscale(p.permute(1, 2, 0).numpy(), s) for p in pixels]
+        ncols = columns or _GRID_COLS
+    text_width = cells[0].shape[1] - 2 * _MARGIN
+    labels = [_label(str(prompt), list(note), text_width) for prompt, note in zip(prompts, notes)]
+    return Image.fromarray(_grid(cells, labels, ncols))
 
 
 def _column(values, name: str, index: torch.Tensor, batch: int) -> torch.Tensor:
@@ -290,20 +333,10 @@ class Gallery:
         pq.write_table(table, tmp)
         os.replace(tmp, parquet)  # a half-written file never carries the final name
 
-        h, w = pixels.shape[-2:]
-        s = max(1, math.ceil(_MIN_SIDE / min(h, w)))
-        if is_video:
-            pick = np.unique(np.linspace(0, frames - 1, min(frames, _GRID_FRAMES)).round().astype(int))
-            cells = [_frames_strip([_upscale(p[t].permute(1, 2, 0).numpy(), s) for t in pick]) for p in pixels]
-            ncols = 1
-        else:
-            cells = [_upscale(p.permute(1, 2, 0).numpy(), s) for p in pixels]
-            ncols = _GRID_COLS
-        text_width = cells[0].shape[1] - 2 * _MARGIN
-        labels = [_label(prompts[i], float(rewards_t[i]), None if adv_t is None else float(adv_t[i]), text_width)
-                  for i in range(n)]
+        notes = [[f"reward {float(rewards_t[i]):.3f}"] + ([] if adv_t is None else [f"adv {float(adv_t[i]):+.3f}"])
+                 for i in range(n)]
         grid = folder / f"{stem}.png"
-        Image.fromarray(_grid(cells, labels, ncols)).save(grid)
+        labelled_grid(pixels, prompts, notes).save(grid)
         out = {"parquet": parquet, "grid": grid}
 
         if self.wandb_run is not None:

@@ -1,10 +1,13 @@
 #!/usr/bin/env python
-r"""Held-out GenEval of a pipeline with the trainer's evaluation protocol.
+r"""Held-out GenEval of a pipeline with the trainer's evaluation protocol, images or videos.
 
     python scripts/eval_geneval.py                                    # the shipped asset: the trainer's iteration-0 eval
     python scripts/eval_geneval.py --pretrained outputs/pretrain_tiny/export --grid /tmp/grid.png
     python scripts/eval_geneval.py --lora outputs/DATE/TIME/checkpoints/checkpoint-000100 --tags counting \
         --samples 48 --per-prompt                                     # a trained run's LoRA, prompt by prompt
+    python scripts/eval_geneval.py --video --grid /tmp/sheet.png      # the moving-shapes video world, a sample sheet
+    python scripts/eval_geneval.py --set model=wan_shapes --set reward=video_geneval --set data=motion_shapes \
+        --grid /tmp/sheet.png                                         # the same, spelled out
 
 The protocol is :mod:`flowgrpo.evaluation`'s, the code ``Trainer.evaluate`` runs, on the config ``python train.py``
 composes (``--set`` adds any override of its command line, e.g. ``--set model=tiny_sd3``): per held-out prompt of
@@ -17,14 +20,28 @@ images); sample j of prompt i starts from the noise of the generator seeded by `
 shapes detector). With no flags it scores the very samples of the trainer's evaluation at iteration 0 and prints
 the same overall score.
 
+Videos: ``--video`` is short for ``--set model=wan_shapes --set reward=video_geneval --set data=motion_shapes``
+(the embedded moving-shapes text-to-video pipeline, the ``video_geneval`` reward, the moving-shapes held-out
+prompts); ``--set`` overrides come after it and win (``--video --set model=tiny_wan``). Everything below holds
+for clips as for images ("images" then counts clips): the video reward returns the same ``strict`` / ``partial``
+and per-tag columns for its tags (``motion``, ``two_object_motion``, ``counting``, ``colors``, ``speed``,
+``static``).
+
 Prints JSON: per tag the GenEval (``strict``, GenEval's benchmark verdict), Flow-GRPO's partial credit
 (``partial``) and the number of images ``n``; ``overall`` / ``overall_partial`` = the mean over tags
 (:func:`rewards.geneval_summary`: tags weigh equally, whatever their number of prompts), what the trainer logs as
 ``eval/geneval`` / ``eval/geneval_partial``. ``--lora`` loads a trainer checkpoint's LoRA (``checkpoint-N`` or
 its ``lora/`` folder) with ``pipe.load_lora_weights``; ``--tags`` keeps the prompts of some tags (their images
 are those of the full evaluation); ``--per-prompt`` adds each prompt's mean strict / partial; ``--grid`` writes a
-PNG: ``--grid-prompts-per-row`` prompts per row in file order (grouped by tag), each prompt's first
-``--grid-samples`` images side by side.
+PNG. Images: ``--grid-prompts-per-row`` prompts per row in file order (grouped by tag), each prompt's first
+``--grid-samples`` images (default 4) side by side, unlabelled. Videos: a sample sheet, one labelled row per clip,
+each prompt's first ``--grid-samples`` clips (default 1) in file order: a strip of the clip's frames (all of
+them, or ``--grid-frames`` = 13 evenly spaced ones, first and last included), upscaled by nearest neighbour by
+an integer factor until a frame is at least 96 pixels high and wide (a 64x64 frame shows at 128x128), under a
+white label band with the prompt and the verdict -- ``[tag] #j`` (the clip's seed index), ``strict PASS`` or
+``strict FAIL``, ``partial`` credit, and every check that failed (the reward's ``check/<name>`` components at 0,
+e.g. ``motion x``, ``identity x``); cells framed in grey. The sheet is :func:`flowgrpo.gallery.labelled_grid`,
+the training galleries' renderer.
 """
 
 from __future__ import annotations
@@ -42,9 +59,12 @@ from PIL import Image
 
 from flowgrpo.build import batch_plan, build_adapter, build_prompts, build_reward, build_sampler, model_kwargs, tag_rows
 from flowgrpo.evaluation import held_out_jobs, score_jobs
+from flowgrpo.gallery import labelled_grid, to_uint8
 from rewards import geneval_prefixes
 
 ROOT = Path(__file__).resolve().parents[1]
+VIDEO = ("model=wan_shapes", "reward=video_geneval", "data=motion_shapes")  # --video
+SHEET_MIN_SIDE = 96  # a video sheet's frames are upscaled (nearest, integer factor) until both sides reach this
 
 
 def compose(overrides: list[str]):
@@ -76,6 +96,28 @@ def grid_image(cells: list[torch.Tensor | None], columns: int, pad: int = 2) -> 
     return Image.fromarray(canvas)
 
 
+def verdict_notes(components: dict[str, torch.Tensor], prefix: str, row: int) -> list[str]:
+    """A sheet label's verdict of scored row ``row``: ``strict PASS|FAIL``, ``partial 0.57`` and ``<check> x`` per
+    failed check (a ``<prefix>check/<name>`` component at 0; NaN: the check does not apply)."""
+    notes = [f"strict {'PASS' if components[f'{prefix}strict'][row] >= 0.5 else 'FAIL'}",
+             f"partial {float(components[f'{prefix}partial'][row]):.2f}"]
+    checks = f"{prefix}check/"
+    for name, values in components.items():
+        if name.startswith(checks) and float(values[row]) == 0.0:
+            notes.append(f"{name[len(checks):]} x")
+    return notes
+
+
+def sample_sheet(videos: dict[int, torch.Tensor], samples, prefix: str, max_frames: int) -> Image.Image:
+    """The labelled sheet of the clips ``{row: [T, 3, H, W]}`` of scored ``samples``, one row per clip in job order."""
+    rows = sorted(videos)
+    meta = samples.prompts.metadata
+    notes = [[f"[{meta[r]['tag']}] #{samples.jobs[r][1]}" if meta else f"#{samples.jobs[r][1]}",
+              *verdict_notes(samples.components, prefix, r)] for r in rows]
+    return labelled_grid(torch.stack([videos[r] for r in rows]), [samples.prompts.prompts[r] for r in rows], notes,
+                         columns=1, max_frames=max_frames, min_side=SHEET_MIN_SIDE)
+
+
 def autocast_factory(mixed_precision: str, device: str):
     """The autocast the trainer's accelerator applies around each velocity for ``trainer.mixed_precision``."""
     if mixed_precision == "no":
@@ -86,7 +128,7 @@ def autocast_factory(mixed_precision: str, device: str):
 
 def config(args):
     """The composed config with the flags applied (they override ``--set``)."""
-    cfg = compose(list(args.set))
+    cfg = compose([*(VIDEO if args.video else ()), *args.set])
     flags = {
         ("model", "pretrained"): args.pretrained,
         ("model", "guidance_scale"): args.guidance_scale,
@@ -128,11 +170,21 @@ def evaluate(args) -> dict:
     reward = build_reward(cfg.reward)
     sigmas = build_sampler(cfg.sampler, adapter=adapter, model=cfg.model).eval_sigmas
     batch = args.batch or batch_plan(cfg, 1).rollout_batch_per_process  # the trainer's batches by default
-    images = []
+    images, videos = [], {}  # the grid's images; the sheet's clips by row, uint8 (only the clips it shows)
+
+    def keep(start, p, x, out):
+        if x.ndim == 4:
+            images.append(x.cpu())
+            return
+        shown = args.grid_samples or 1
+        for k in range(x.shape[0]):
+            if jobs[start + k][1] < shown:
+                videos[start + k] = to_uint8(x[k])
+
     t0 = time.time()
     samples = score_jobs(adapter, reward, prompts, jobs, seed=t.eval_seed, sigmas=sigmas, model_kw=model_kwargs(cfg.model),
                          batch_size=batch, autocast=autocast_factory(t.mixed_precision, args.device),
-                         on_batch=(lambda start, p, x, out: images.append(x.cpu())) if args.grid else None)
+                         on_batch=keep if args.grid else None)
     seconds = time.time() - t0
     found = geneval_prefixes(samples.components)
     if len(found) != 1:
@@ -168,9 +220,12 @@ def evaluate(args) -> dict:
         ]
     if args.lora:
         result["lora"] = str(args.lora)
-    if args.grid:
+    if args.grid and videos:
+        sample_sheet(videos, samples, prefix, args.grid_frames).save(args.grid)
+        result["grid"] = str(args.grid)
+    elif args.grid:
         every = torch.cat(images)
-        width = min(args.grid_samples, max(len(rows) for rows in rows_of.values()))
+        width = min(args.grid_samples or 4, max(len(rows) for rows in rows_of.values()))
         cells = [every[rows[k]] if k < len(rows) else None for rows in rows_of.values() for k in range(width)]
         grid_image(cells, columns=width * args.grid_prompts_per_row).save(args.grid)
         result["grid"] = str(args.grid)
@@ -181,6 +236,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a train.py override (repeatable), e.g. --set model=tiny_sd3; the flags below win over it")
+    p.add_argument("--video", action="store_true",
+                   help=f"the moving-shapes video world: --set {' --set '.join(VIDEO)} before the other --set")
     p.add_argument("--pretrained", default=None, help="pipeline directory (default: model.pretrained)")
     p.add_argument("--prompts", default=None, help="GenEval metadata JSONL (default: data.test_file)")
     p.add_argument("--samples", type=int, default=None,
@@ -191,13 +248,17 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=None, help="Euler ODE steps (default: sampler.eval_num_steps)")
     p.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (default: model.guidance_scale)")
     p.add_argument("--max-sequence-length", type=int, default=None,
-                   help="T5 tokens (default: model.max_sequence_length)")
+                   help="text-encoder tokens (default: model.max_sequence_length)")
     p.add_argument("--seed", type=int, default=None, help="held-out seed (default: trainer.eval_seed)")
     p.add_argument("--batch", type=int, default=None,
                    help="images per forward batch (default: the trainer's rollout batch; seeds are per image)")
-    p.add_argument("--grid", default=None, help="write a PNG grid of the samples here")
-    p.add_argument("--grid-samples", type=int, default=4, help="images per prompt in the grid")
-    p.add_argument("--grid-prompts-per-row", type=int, default=2, help="prompts per grid row")
+    p.add_argument("--grid", default=None,
+                   help="write a PNG here: a grid of the images, or for videos a labelled sample sheet")
+    p.add_argument("--grid-samples", type=int, default=None,
+                   help="samples per prompt in the grid (default: 4 images, 1 video)")
+    p.add_argument("--grid-prompts-per-row", type=int, default=2, help="prompts per image-grid row")
+    p.add_argument("--grid-frames", type=int, default=13,
+                   help="frames per clip in a video sheet, evenly spaced (all when the clip has fewer)")
     p.add_argument("--json-out", default=None, help="also write the JSON here")
     p.add_argument("--lora", default=None, help="a trainer checkpoint dir (checkpoint-N or its lora/) to load first")
     p.add_argument("--tags", default=None, help="comma-separated GenEval tags to keep (default: all)")

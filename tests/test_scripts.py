@@ -141,3 +141,56 @@ def test_gradient_snr_compares_independent_policy_gradients(tmp_path):
     cfg = snr.compose(["logger=none", f"trainer.output_dir={tmp_path}", *overrides])
     trainer = Trainer(cfg, tmp_path)
     assert torch.equal(snr.policy_gradient(trainer, 7), snr.policy_gradient(trainer, 7))
+
+
+TINY_VIDEO = ["--set", "model=tiny_wan", "--set", "model.height=64", "--set", "model.width=64",
+              "--set", "model.num_frames=13"]  # the random Wan twin at the moving-shapes world's size
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_eval_geneval_scores_videos_and_draws_a_labelled_sample_sheet(tmp_path):
+    """``--video`` on the tiny random Wan twin: three held-out prompts of three video tags, a 2-step ODE. The JSON
+    has the video tags; the sheet is one labelled strip of 13 frames (64 px shown at 128 px) per clip."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    ev = load_script("eval_geneval")
+    rows = [json.loads(line) for line in (SCRIPTS.parent / "assets/prompts/motion_test.jsonl").read_text().splitlines()]
+    picked = [next(m for m in rows if m["tag"] == tag) for tag in ("speed", "two_object_motion", "counting")]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(m) + "\n" for m in picked))
+    sheet = tmp_path / "sheet.png"
+    common = ["--prompts", str(prompts), "--samples", "1", "--samples-per-tag", "none", "--steps", "2",
+              "--device", "cpu"]
+    result = ev.main(["--video", *TINY_VIDEO, *common, "--grid", str(sheet)])
+    assert list(result["per_tag"]) == ["speed", "two_object_motion", "counting"] and result["images"] == 3
+    assert all(v["n"] == 1 and 0 <= v["strict"] <= v["partial"] <= 1 for v in result["per_tag"].values())
+    assert result["grid"] == str(sheet)
+    # the same run spelled with --set (what --video stands for, the twin for the model)
+    spelled = ev.main(["--set", "reward=video_geneval", "--set", "data=motion_shapes", *TINY_VIDEO, *common])
+    assert spelled["per_tag"] == result["per_tag"] and "grid" not in spelled
+
+    grid = np.asarray(Image.open(sheet).convert("RGB"))
+    pad, frame, band = 2, 128, 6 + 13 * 2  # label: the prompt on one line, the verdict on another
+    cell_h = band + 1 + frame
+    assert grid.shape == (pad + 3 * (cell_h + pad), pad + 13 * (frame + pad) - pad + pad, 3)
+    grey = np.array([128, 128, 128], dtype=np.uint8)
+    assert (grid[:, :pad] == grey).all() and (grid[:pad] == grey).all()  # framed in grey
+    for i in range(3):
+        y = pad + i * (cell_h + pad)
+        label = grid[y:y + band, pad:-pad]
+        assert (label.max(axis=-1) < 64).sum() > 100, i  # dark text on the white band
+        assert (grid[y + band] == grey).all()  # the line between label and strip
+        for k in range(1, 13):  # 13 frames, 2 grey pixels apart
+            x = pad + k * (frame + pad)
+            assert (grid[y + band + 1:y + cell_h, x - pad:x] == grey).all(), (i, k)
+
+    # the verdict a label carries: strict, partial, and the checks at 0 (NaN: not applicable)
+    nan = float("nan")
+    comps = {"strict": torch.tensor([1.0, 0.0]), "partial": torch.tensor([1.0, 0.5]),
+             "check/motion": torch.tensor([1.0, 0.0]), "check/count": torch.tensor([nan, nan]),
+             "check/identity": torch.tensor([1.0, 0.0])}
+    assert ev.verdict_notes(comps, "", 0) == ["strict PASS", "partial 1.00"]
+    assert ev.verdict_notes(comps, "", 1) == ["strict FAIL", "partial 0.50", "motion x", "identity x"]
