@@ -2,6 +2,21 @@
 
 A reward is a callable ``reward(images, prompts, metadata=None) -> RewardOutput``. ``images`` is a float
 tensor ``[B, 3, H, W]`` in [0, 1], a uint8 tensor, or a list of PIL images; videos are ``[B, T, 3, H, W]``.
+
+Bad samples, the same way in every reward:
+
+- **NaN / inf pixels raise** ``ValueError`` naming the reward and the batch indices (a diverged model decodes to
+  NaN; cast to uint8 it would read as a black image and be scored). No reward returns NaN or a made-up score for
+  them, so a diverged run stops at its first reward call with the cause in the message.
+- **Degenerate samples score 0** where 0 is the floor of the reward's scale and means "nothing there":
+  ``geneval``, ``video_geneval``, ``ocr``, ``video_flicker``, ``video_motion``, ``video_consistency``. A sample is
+  degenerate when it is uniform (all black, all white, one flat colour) or pure noise, every frame of it for a
+  clip (:func:`rewards.images.degenerate`; a single small shape on white is content).
+- Learned preference / alignment models (``pickscore``, ``hpsv21``, ``imagereward``, ``aesthetic``, ``clipscore``,
+  ``video_clip``) score degenerate samples as their model does: their outputs have no "nothing" value to force,
+  and a prompt may ask for a plain or a noisy picture. ``jpeg_*`` measure file size, which is defined for any image.
+- ``multi`` inherits from its parts; ``remote`` raises on non-finite input like the others (its conversion is
+  :func:`rewards.images.to_uint8_images`) and otherwise returns its server's scores.
 """
 
 from __future__ import annotations

@@ -40,6 +40,9 @@ the transformers modules by :data:`KEY_RULES` (first matching rule wins; a key n
 
 This is transformers' own BLIP conversion (``convert_blip_original_pytorch_to_hf.py``: same fused ``qkv`` layout,
 text-encoder keys unchanged).
+
+Images holding NaN or inf raise ``ValueError`` naming the reward and the samples; degenerate images (uniform, noise)
+are scored by the model like any other (:mod:`rewards.base`).
 """
 
 from __future__ import annotations
@@ -217,7 +220,7 @@ class ImageReward:
 
     @torch.no_grad()
     def __call__(self, images, prompts, metadata=None) -> RewardOutput:
-        arrays = to_uint8_images(images)
+        arrays = to_uint8_images(images, reward="imagereward")
         prompts = check_prompts(prompts, len(arrays), "imagereward")
         if not arrays:
             return RewardOutput(torch.zeros(0), {"imagereward": torch.zeros(0), "imagereward_raw": torch.zeros(0)})

@@ -11,7 +11,10 @@ Differences from the reference, on purpose:
 * the target is the text between the first pair of double quotes of the prompt (``'a sign that says "OPEN"'``),
   or ``metadata["text"]`` when given; a prompt with neither raises (the reference crashes on ``split('"')[1]``);
 * an OCR failure raises, naming the image; the reference scored it 0 (a silent fallback);
-* recognised lines are joined in RapidOCR's reading order (top-to-bottom, left-to-right), as PaddleOCR's.
+* recognised lines are joined in RapidOCR's reading order (top-to-bottom, left-to-right), as PaddleOCR's;
+* a degenerate image (uniform -- all black, all white, one flat colour -- or pure noise,
+  :func:`rewards.images.degenerate`) reads as no text and scores 0 without running OCR (whatever a recogniser
+  might read in noise would be made-up partial credit); images holding NaN or inf raise ``ValueError`` naming them.
 
 Components: ``ocr`` (the score) and ``ocr_exact`` (1 when the normalised target occurs in the recognised text).
 
@@ -27,7 +30,7 @@ import numpy as np
 import torch
 
 from .base import RewardOutput, register
-from .images import to_uint8_images
+from .images import degenerate, to_uint8_images
 
 __all__ = ["OcrReward", "levenshtein", "normalized_edit_score", "quoted_text"]
 
@@ -114,9 +117,14 @@ class OcrReward:
         return out
 
     def read(self, images) -> list[str]:
-        """The recognised text of each image (lines joined in reading order; '' when nothing is found)."""
+        """The recognised text of each image (lines joined in reading order; '' when nothing is found or the image is
+        degenerate)."""
         texts = []
-        for i, array in enumerate(to_uint8_images(images)):
+        arrays = to_uint8_images(images, reward="ocr")
+        for i, (array, flag) in enumerate(zip(arrays, degenerate(arrays))):
+            if flag is not None:
+                texts.append("")
+                continue
             try:
                 result, _ = self.engine(np.ascontiguousarray(array[..., ::-1]), use_cls=self.use_cls)  # RapidOCR wants BGR
             except Exception as err:  # never score a failure as 0: say which image

@@ -27,6 +27,14 @@ uses Farnebäck flow (classical, no weights) instead of RAFT; components give th
 per frame and the mean of each frame pair's top-5% magnitudes (the statistic VBench's dynamic degree
 thresholds).
 
+Degenerate clips (:func:`rewards.images.degenerate`: every frame uniform -- all black, all white, one flat colour --
+or pure noise) score 0 under ``video_flicker``, ``video_motion`` and ``video_consistency``, whose scales have a
+floor of 0: a frozen flat clip would otherwise earn the best possible flicker and consistency (1.0), and noise
+made-up motion. Their measurement components (``flicker_mad``, ``motion_px``, ``motion_top5_px``) keep what was
+measured; the score-scale ones (``flicker``, ``motion``, ``consistency*``) are 0. ``video_clip`` is a learned
+model's judgement (a prompt may ask for a plain or noisy picture) and scores what it sees. Clips holding NaN or
+inf raise ``ValueError`` naming the reward and the samples under every video reward (:func:`to_video`).
+
 Weights load on the first call (or :meth:`load`), so configs instantiate offline; a missing checkpoint raises
 an ``OSError`` naming the path / hub id and the keyword to set.
 """
@@ -41,6 +49,7 @@ import torch.nn.functional as F
 
 from ._loading import check_tokenizer, from_pretrained, resolve_device, resolve_dtype
 from .base import RewardOutput, register
+from .images import check_finite, degenerate
 
 __all__ = ["to_video", "VideoClipScore", "VideoConsistency", "VideoFlicker", "VideoMotion"]
 
@@ -49,23 +58,29 @@ DEFAULT_DINO = "facebook/dino-vitb16"
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-def to_video(videos) -> torch.Tensor:
+def to_video(videos, reward: str | None = None) -> torch.Tensor:
     """Clips in any accepted form → uint8 ``[B, T, 3, H, W]`` on the CPU.
 
     Accepts float ``[B, T, 3, H, W]`` in [0, 1], uint8 ``[B, T, 3, H, W]``, numpy ``[B, T, H, W, 3]``, or a list
-    of clips, each a list of PIL images or a ``[T, 3, H, W]`` / ``[T, H, W, 3]`` array.
+    of clips, each a list of PIL images or a ``[T, 3, H, W]`` / ``[T, H, W, 3]`` array. Float clips holding NaN or
+    inf raise ``ValueError`` naming ``reward`` and the clips (:func:`rewards.images.check_finite`).
     """
     if isinstance(videos, (list, tuple)):
         from PIL import Image
 
-        clips = []
-        for clip in videos:
+        clips, bad = [], []
+        for i, clip in enumerate(videos):
             if isinstance(clip, Image.Image):
                 raise ValueError("video reward: got a list of images; video rewards score clips [B, T, 3, H, W] "
                                  "(or a list of clips, each a list of frames)")
             if isinstance(clip, (list, tuple)):
                 clip = np.stack([np.asarray(f.convert("RGB")) if isinstance(f, Image.Image) else np.asarray(f) for f in clip])
-            clips.append(to_video(torch.as_tensor(clip)[None])[0])
+            clip = torch.as_tensor(clip)
+            if clip.is_floating_point() and not bool(torch.isfinite(clip).all()):
+                bad.append(i)
+                continue
+            clips.append(to_video(clip[None])[0])
+        check_finite(bad, reward, "clips")
         shapes = {tuple(c.shape) for c in clips}
         if len(shapes) != 1:
             raise ValueError(f"video reward: clips of a batch must share [T, 3, H, W], got {sorted(shapes)}")
@@ -86,7 +101,13 @@ def to_video(videos) -> torch.Tensor:
         return x.contiguous()
     if not x.is_floating_point():
         raise ValueError(f"video reward: expected float frames in [0, 1] or uint8, got {x.dtype}")
+    check_finite((~torch.isfinite(x)).flatten(1).any(1).nonzero().flatten().tolist(), reward, "clips")
     return (x.float().clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def _content(video: torch.Tensor) -> torch.Tensor:
+    """float64 ``[B]``: 1 for clips with content, 0 for degenerate ones (:func:`rewards.images.degenerate`)."""
+    return torch.tensor([flag is None for flag in degenerate(video)], dtype=torch.float64)
 
 
 def _select_frames(video: torch.Tensor, num_frames: int | None) -> torch.Tensor:
@@ -163,7 +184,7 @@ class VideoClipScore:
         return self
 
     def __call__(self, images, prompts, metadata=None) -> RewardOutput:
-        video = _select_frames(to_video(images), self.num_frames)
+        video = _select_frames(to_video(images, reward="video_clip"), self.num_frames)
         B, T = video.shape[:2]
         if len(prompts) != B:
             raise ValueError(f"video_clip: {B} clips but {len(prompts)} prompts")
@@ -244,30 +265,33 @@ class VideoConsistency:
         return torch.cat(feats)
 
     def __call__(self, images, prompts=None, metadata=None) -> RewardOutput:
-        video = _select_frames(to_video(images), self.num_frames)
+        video = to_video(images, reward="video_consistency")
+        content = _content(video)  # on every frame, not only the selected ones
+        video = _select_frames(video, self.num_frames)
         B, T = video.shape[:2]
         if T < 2:
             raise ValueError(f"video_consistency: clips need at least 2 frames, got {T}")
         f = self.features(video.flatten(0, 1)).view(B, T, -1).double()
-        prev = (f[:, 1:] * f[:, :-1]).sum(-1).clamp_min(0)  # [B, T-1]
-        first = (f[:, 1:] * f[:, :1]).sum(-1).clamp_min(0)
-        score = ((prev + first) / 2).mean(1)
+        prev = (f[:, 1:] * f[:, :-1]).sum(-1).clamp_min(0).mean(1) * content  # degenerate clips: 0
+        first = (f[:, 1:] * f[:, :1]).sum(-1).clamp_min(0).mean(1) * content
+        score = (prev + first) / 2
         return RewardOutput(scores=score.float(), components={
-            "consistency": score, "consistency_prev": prev.mean(1), "consistency_first": first.mean(1)})
+            "consistency": score, "consistency_prev": prev, "consistency_first": first})
 
 
 class VideoFlicker:
     """Temporal flickering (VBench): ``(255 − MAD)/255`` with MAD the mean absolute difference of consecutive
     uint8 frames (over pixels, channels and pairs). Components: ``flicker`` (the score), ``flicker_mad`` (MAD, 0–255).
+    A degenerate clip (every frame flat or noise) scores 0, not the 1.0 a frozen flat clip would measure.
     """
 
     def __call__(self, images, prompts=None, metadata=None) -> RewardOutput:
-        video = to_video(images)
+        video = to_video(images, reward="video_flicker")
         if video.shape[1] < 2:
             raise ValueError(f"video_flicker: clips need at least 2 frames, got {video.shape[1]}")
         x = video.to(torch.int16)
         mad = (x[:, 1:] - x[:, :-1]).abs().double().mean(dim=(1, 2, 3, 4))
-        score = (255.0 - mad) / 255.0
+        score = (255.0 - mad) / 255.0 * _content(video)  # degenerate clips: 0
         return RewardOutput(scores=score.float(), components={"flicker": score, "flicker_mad": mad})
 
 
@@ -308,7 +332,9 @@ class VideoMotion:
         self.method, self.num_frames, self.blur = method, num_frames, int(blur)
 
     def __call__(self, images, prompts=None, metadata=None) -> RewardOutput:
-        video = _select_frames(to_video(images), self.num_frames)
+        video = to_video(images, reward="video_motion")
+        content = _content(video)  # on every frame, not only the selected ones
+        video = _select_frames(video, self.num_frames)
         B, T = video.shape[:2]
         if T < 2:
             raise ValueError(f"video_motion: clips need at least 2 frames, got {T}")
@@ -318,7 +344,7 @@ class VideoMotion:
             if self.blur > 1:
                 g = F.avg_pool2d(g, self.blur, stride=1, padding=self.blur // 2, count_include_pad=False)
             g = g.view(B, T, *g.shape[-2:])
-            score = ((g[:, 1:] - g[:, :-1]).abs().mean(dim=(1, 2, 3)) / 255.0).double()
+            score = ((g[:, 1:] - g[:, :-1]).abs().mean(dim=(1, 2, 3)) / 255.0).double() * content
             return RewardOutput(scores=score.float(), components={"motion": score})
         import cv2
 
@@ -334,7 +360,7 @@ class VideoMotion:
                 tops.append(np.partition(mag, mag.size - k)[-k:].mean())
             mean_px[b], top_px[b] = np.mean(means), np.mean(tops)
         mean_px_t = torch.from_numpy(mean_px)
-        score = mean_px_t / min(video.shape[-2:])
+        score = mean_px_t / min(video.shape[-2:]) * content  # degenerate clips: 0
         return RewardOutput(scores=score.float(), components={
             "motion": score, "motion_px": mean_px_t, "motion_top5_px": torch.from_numpy(top_px)})
 

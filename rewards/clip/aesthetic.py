@@ -88,7 +88,7 @@ class LaionAesthetic:
 
     @torch.no_grad()
     def __call__(self, images, prompts=None, metadata=None) -> RewardOutput:
-        arrays = to_uint8_images(images)
+        arrays = to_uint8_images(images, reward="aesthetic")
         if not arrays:
             return RewardOutput(torch.zeros(0), {"aesthetic": torch.zeros(0)})
         score = torch.cat([self._scores(arrays[s]) for s in in_chunks(len(arrays), self.batch_size)]).float().cpu()

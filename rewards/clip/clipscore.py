@@ -64,7 +64,7 @@ class CLIPScore:
 
     @torch.no_grad()
     def __call__(self, images, prompts, metadata=None) -> RewardOutput:
-        arrays = to_uint8_images(images)
+        arrays = to_uint8_images(images, reward="clipscore")
         prompts = check_prompts(prompts, len(arrays), "clipscore")
         if not arrays:
             return RewardOutput(torch.zeros(0), {"clipscore": torch.zeros(0), "clip_cosine": torch.zeros(0)})

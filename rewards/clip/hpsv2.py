@@ -85,7 +85,7 @@ class HPSv21:
 
     @torch.no_grad()
     def __call__(self, images, prompts, metadata=None) -> RewardOutput:
-        arrays = to_uint8_images(images)
+        arrays = to_uint8_images(images, reward="hpsv21")
         prompts = check_prompts(prompts, len(arrays), "hpsv21")
         if not arrays:
             return RewardOutput(torch.zeros(0), {"hpsv21": torch.zeros(0)})

@@ -78,7 +78,7 @@ class PickScore:
 
     @torch.no_grad()
     def __call__(self, images, prompts, metadata=None) -> RewardOutput:
-        arrays = to_uint8_images(images)
+        arrays = to_uint8_images(images, reward="pickscore")
         prompts = check_prompts(prompts, len(arrays), "pickscore")
         if not arrays:
             return RewardOutput(torch.zeros(0), {"pickscore": torch.zeros(0)})

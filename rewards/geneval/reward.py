@@ -3,14 +3,19 @@
 Components of the returned :class:`~rewards.RewardOutput` (all ``[B]`` float32):
 
 - ``partial`` (= ``scores``): Flow-GRPO's partial credit, the training scalar. With the default
-  ``partial_credit="flowgrpo"`` it is bit-for-bit the reference reward server's, so it can be negative
-  (count credit unclipped) -- see :mod:`rewards.geneval.rules`; ``"clipped"`` keeps it in [0, 1].
+  ``partial_credit="flowgrpo"`` it is bit-for-bit the reference reward server's (on images with content), so it
+  can be negative (count credit unclipped) -- see :mod:`rewards.geneval.rules`; ``"clipped"`` keeps it in [0, 1].
 - ``strict``: GenEval's benchmark verdict (0/1); the mean over tags of its per-tag means is the GenEval score
   (:func:`~rewards.geneval.summary.geneval_summary` computes it, with the same for ``partial``).
 - ``exact``: Flow-GRPO's ``strict_correct`` (0/1): exact counts, no exclude clauses.
 - ``strict/<tag>``, ``partial/<tag>`` for the six tags: the sample's value where the sample has that tag
   and **NaN elsewhere** (Flow-GRPO uses -10 there); average them with ``torch.nanmean``. Every key is
   present in every batch, so loggers see a fixed set of columns.
+
+Degenerate images score 0 whatever the detector: an image that is uniform (all black, all white, one flat colour)
+or pure noise (:func:`rewards.images.degenerate`) is judged as showing no object at all, so every tag's partial
+credit is 0 and ``strict`` / ``exact`` fail (the reason says why); the detector never sees it. Images holding NaN
+or inf raise ``ValueError`` naming the samples (a diverged model; cast to uint8 they would read as black).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Sequence
 import torch
 
 from ..base import RewardOutput, register
-from ..images import to_uint8_images
+from ..images import degenerate, to_uint8_images
 from .rules import (
     COUNTING_THRESHOLD,
     MAX_OBJECTS,
@@ -103,7 +108,7 @@ class GenEval:
 
     def judge(self, images, metadata: Sequence[dict] | None) -> list[Verdict]:
         """Per-image verdicts (detections, reasons) -- what ``__call__`` condenses into tensors."""
-        arrays = to_uint8_images(images)
+        arrays = to_uint8_images(images, reward="geneval")
         if metadata is None:
             raise ValueError("GenEval needs one GenEval metadata dict per image (argument 'metadata'), got None")
         if isinstance(metadata, dict):
@@ -114,9 +119,15 @@ class GenEval:
         classes = getattr(self.detector, "classes", None)
         colors = getattr(self.detector, "colors", None)
         metadata = [validate_metadata(m, classes, colors, where=f"metadata[{i}]") for i, m in enumerate(metadata)]
-        detections = self.detector(arrays, metadata)
-        return [
-            judge(
+        flags = degenerate(arrays)
+        content = [i for i, flag in enumerate(flags) if flag is None]
+        found = self.detector([arrays[i] for i in content], [metadata[i] for i in content]) if content else []
+        detections: list = [{} for _ in arrays]  # a degenerate image shows no object
+        for i, dets in zip(content, found):
+            detections[i] = dets
+        verdicts = []
+        for dets, meta, flag in zip(detections, metadata, flags):
+            verdict = judge(
                 dets,
                 meta,
                 threshold=self.threshold,
@@ -125,8 +136,10 @@ class GenEval:
                 position_threshold=self.position_threshold,
                 partial_credit=self.partial_credit,
             )
-            for dets, meta in zip(detections, metadata)
-        ]
+            if flag is not None:
+                verdict.reason = f"degenerate image ({flag}): no content, scored 0"
+            verdicts.append(verdict)
+        return verdicts
 
     def __call__(self, images, prompts: Sequence[str] | None = None, metadata: Sequence[dict] | None = None) -> RewardOutput:
         metadata = list(metadata) if metadata is not None and not isinstance(metadata, dict) else metadata

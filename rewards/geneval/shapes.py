@@ -13,6 +13,10 @@ images add blur, colour bleeding and small blobs, so every step works on *soft c
    colours (two touching objects) is cut by colour; fragments smaller than ``min_area`` px are dropped
    (noise specks). The object's colour is the palette colour nearest the mean of its core pixels
    (coverage >= 0.8, or its darkest half), the built-in stand-in for GenEval's CLIP colour classifier.
+   A component bigger than ``max_area`` (1024 px at 64 px, a quarter of the image; the world's largest object,
+   a circle of circumradius 12, covers 452 px) is background, not an object: it is dropped whole. Without
+   this rule an all-black (or any flat palette-coloured) image was one image-sized "square" of confidence
+   ~1.0, and earned GenEval partial credit on every prompt naming a square.
 3. **Shape by analysis-by-synthesis.** The soft coverage of the component (a 2-px ring included, other
    objects masked out) gives a blur-invariant area and centroid; for each class a template of that area
    is drawn at the centroid (anti-aliased) and blurred by a Gaussian: first the one whose variance explains
@@ -143,6 +147,7 @@ class ShapesDetector:
         self,
         min_area: float = 12.0,
         full_area: float = 35.0,
+        max_area: float = 1024.0,
         ring: int = 2,
         err_good: float = 0.12,
         err_bad: float = 0.45,
@@ -150,8 +155,12 @@ class ShapesDetector:
         supersample: int = 4,
         sigma_grid: Sequence[float] = (0.7, 0.85, 1.0, 1.15, 1.3),
     ):
+        if not min_area < full_area < max_area:
+            raise ValueError(f"ShapesDetector needs min_area < full_area < max_area, got {min_area}, {full_area}, "
+                             f"{max_area}")
         self.min_area = min_area
         self.full_area = full_area
+        self.max_area = max_area
         self.ring = ring
         self.err_good = err_good
         self.err_bad = err_bad
@@ -181,7 +190,8 @@ class ShapesDetector:
         objects: list[np.ndarray] = []  # boolean masks
         for i in range(1, n + 1):
             comp = comps == i
-            if comp.sum() < self.min_area * scale:
+            area = comp.sum()
+            if area < self.min_area * scale or area > self.max_area * scale:  # a speck, or the background
                 continue
             weights = np.bincount(label[comp], weights=cover[comp], minlength=len(self.colors))
             if weights.max() >= 0.8 * weights.sum():

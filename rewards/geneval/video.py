@@ -69,6 +69,11 @@ Components of the :class:`~rewards.RewardOutput` (all ``[B]`` float32):
   overall score, the mean over tags);
 - ``check/<name>`` for the seven checks (:data:`CHECKS`): 0/1, NaN where the prompt has no such clause.
 
+A degenerate clip -- every frame uniform (all black, all white, one flat colour) or pure noise
+(:func:`rewards.images.degenerate`) -- is judged as showing no object in any frame: every applicable check fails,
+``partial`` and ``strict`` are 0 (the reason says why) and the detector never sees it. Clips holding NaN or inf
+raise ``ValueError`` naming the samples (a diverged model; cast to uint8 they would read as black).
+
 A clip's speed is measured per frame, so it assumes the world's frame rate (13 frames per clip); judge generated
 clips at the frame count the prompts were written for.
 """
@@ -83,6 +88,7 @@ import numpy as np
 import torch
 
 from ..base import RewardOutput, register
+from ..images import degenerate
 from ..video import to_video
 from .rules import (
     MAX_OBJECTS,
@@ -362,7 +368,9 @@ class VideoGenEval:
 
     def judge(self, videos, metadata: Sequence[dict] | None) -> list[VideoVerdict]:
         """Per-clip verdicts (checks, credits, reasons, tracks) -- what ``__call__`` condenses into tensors."""
-        clips = to_video(videos).permute(0, 1, 3, 4, 2).numpy()  # uint8 [B, T, H, W, 3]
+        u8 = to_video(videos, reward="video_geneval")
+        flags = degenerate(u8)
+        clips = u8.permute(0, 1, 3, 4, 2).numpy()  # uint8 [B, T, H, W, 3]
         if metadata is None:
             raise ValueError("video_geneval needs one metadata dict per clip (argument 'metadata'), got None")
         if isinstance(metadata, Mapping):
@@ -374,9 +382,19 @@ class VideoGenEval:
         colors = getattr(self.detector, "colors", None)
         metadata = [validate_video_metadata(m, classes, colors, where=f"metadata[{i}]") for i, m in enumerate(metadata)]
         B, T = clips.shape[:2]
-        frames = [clips[b, t] for b in range(B) for t in range(T)]
-        detections = self.detector(frames, [m for m in metadata for _ in range(T)])
-        return [self.judge_clip(detections[b * T : (b + 1) * T], metadata[b], clips.shape[2:4]) for b in range(B)]
+        content = [b for b in range(B) if flags[b] is None]
+        frames = [clips[b, t] for b in content for t in range(T)]
+        found = self.detector(frames, [metadata[b] for b in content for _ in range(T)]) if content else []
+        detections: list = [{} for _ in range(B * T)]  # a degenerate clip shows no object in any frame
+        for k, b in enumerate(content):
+            detections[b * T : (b + 1) * T] = found[k * T : (k + 1) * T]
+        verdicts = []
+        for b in range(B):
+            verdict = self.judge_clip(detections[b * T : (b + 1) * T], metadata[b], clips.shape[2:4])
+            if flags[b] is not None:
+                verdict.reason = f"degenerate clip ({flags[b]} frames): no content, scored 0"
+            verdicts.append(verdict)
+        return verdicts
 
     def judge_clip(self, detections: Sequence[Mapping[str, Sequence[Detection]]], metadata: Mapping,
                    frame_size: tuple[int, int]) -> VideoVerdict:
