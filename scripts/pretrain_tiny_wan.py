@@ -23,9 +23,9 @@ Training, over one global step counter (one ``--resume`` covers every stage):
    see ``decode_unclamped``), the objects' pixels weighted ``1 + --ink-weight`` (5: without it the causal VAE sits
    for hundreds of steps at blank white frames, the best answer for the 90% of pixels that are background;
    measured on one batch of 4 clips, error on the objects' pixels after 120 steps 0.16 with it, 0.42 without),
-   + ``--kl-weight`` x KL on 9-frame clips
-   (1 + 4 + 4: the third chunk already sees a full causal cache, as every later chunk of a longer clip does), then
-   the per-channel latent mean / std over ``--stat-batches`` batches of 13-frame clips.
+   + ``--kl-weight`` x KL on ``--vae-frames``-frame clips (13, the clips the pipeline makes: the causal decoder
+   trained on 9-frame clips only, 1 + 4 + 4, drifts in colour in the fourth chunk), then the per-channel latent
+   mean / std over ``--stat-batches`` batches of 13-frame clips.
 2. **Flow matching** (``--flow-steps``): transformer and text encoder, frozen VAE, rectified flow as Wan:
    x_σ = (1-σ)·x₀ + σ·ε, v = ε - x₀, timestep 1000·σ, σ logit-normal shifted by 3 (the sampler's shift).
    "" replaces the caption with probability ``--cfg-dropout`` (the pipeline's negative prompt). EMA weights ship.
@@ -92,7 +92,6 @@ DEFAULT_OUT = ROOT / "assets" / "tiny-wan-shapes"
 DEFAULT_CKPT = ROOT / "outputs" / "pretrain_tiny_wan"  # git-ignored
 TEST_PROMPTS = ROOT / "assets" / "prompts" / "motion_test.jsonl"
 PIPELINE_MAX_SEQUENCE_LENGTH = 512  # WanPipeline.__call__'s default
-VAE_FRAMES = 9
 
 SIZES = {
     "asset": dict(vae_base=8, t5_width=64, t5_layers=2, t5_heads=4, layers=4, heads=4, head_dim=32, ffn=512),
@@ -339,7 +338,7 @@ class Trainer:
         args = self.args
         for g in self.vae_opt.param_groups:
             g["lr"] = lr_at(self.step, args.vae_steps, args.vae_lr, args.warmup)
-        x, _ = render_batch(self.data_rng, args.vae_batch, self.exclude, VAE_FRAMES)
+        x, _ = render_batch(self.data_rng, args.vae_batch, self.exclude, args.vae_frames)
         x = x.to(self.device)
         posterior = self.vae.encode(x).latent_dist
         recon = decode_unclamped(self.vae, posterior.sample())
@@ -457,8 +456,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), default="asset", help="model sizes (toy: tests)")
     p.add_argument("--num-frames", type=int, default=NUM_FRAMES, help="frames per training clip (4k+1)")
-    p.add_argument("--vae-steps", type=int, default=1000)
+    p.add_argument("--vae-steps", type=int, default=2500)
     p.add_argument("--vae-batch", type=int, default=8)
+    p.add_argument("--vae-frames", type=int, default=13, help="frames per VAE training clip (4k+1)")
     p.add_argument("--vae-lr", type=float, default=1e-3)
     p.add_argument("--kl-weight", type=float, default=1e-3, help="KL to N(0,I), per latent element")
     p.add_argument("--ink-weight", type=float, default=5.0, help="extra reconstruction weight of the objects' pixels")
@@ -484,8 +484,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = p.parse_args(argv)
-    if (args.num_frames - 1) % 4:
-        p.error(f"--num-frames must be 4k+1 (the VAE compresses time 4x); got {args.num_frames}")
+    for key in ("num_frames", "vae_frames"):
+        if (getattr(args, key) - 1) % 4:
+            p.error(f"--{key.replace('_', '-')} must be 4k+1 (the VAE compresses time 4x); got {getattr(args, key)}")
     return args
 
 

@@ -49,7 +49,7 @@ def test_collapsed_padding_equals_pipeline_forward():
 def _args(tmp_path, *extra):
     return ["--size", "toy", "--vae-steps", "2", "--flow-steps", "3", "--vae-batch", "2", "--batch", "2",
             "--stat-batches", "1", "--warmup", "1", "--log-every", "1", "--ckpt-every", "1", "--threads", "1",
-            "--num-frames", "5", "--device", "cpu", "--out", str(tmp_path / "pipe"), "--ckpt-dir", str(tmp_path / "ckpt"), *extra]  # fmt: skip
+            "--num-frames", "5", "--vae-frames", "5", "--device", "cpu", "--out", str(tmp_path / "pipe"), "--ckpt-dir", str(tmp_path / "ckpt"), *extra]  # fmt: skip
 
 
 def test_resume_is_exact_and_export_loads_with_plain_from_pretrained(tmp_path):
