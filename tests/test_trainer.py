@@ -348,7 +348,7 @@ def test_the_default_run_raises_held_out_geneval(tmp_path):
     The shipped pipeline leaves out an object its prompt names about 40% of the time, whatever the prompt
     (``scripts/pretrain_tiny.py``, caption-noise stage); GRPO against GenEval removes that habit on the
     training prompts and the held-out ones alike. Measured on 2 cores: strict 0.233 -> 0.36, partial 0.394 -> 0.48
-    at 25 iterations of the full 100 (README); ~2.5 min here.
+    at 25 iterations of the full 100 (docs/results.md); ~2.5 min here.
     """
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose("train", overrides=["logger=none", "trainer.iterations=30", "trainer.eval_every=30",
