@@ -6,18 +6,27 @@ optimizer, LR schedule, EMA, RNG, window/plan state, step); this module only mak
 >>> manager = CheckpointManager(run_dir / "checkpoints", keep=2)                          # doctest: +SKIP
 >>> manager.save(step, {"step": step, "optimizer": opt.state_dict(), "rng": capture_rng_state()},
 ...              writers={"lora": lambda d: save_lora_weights(pipe, d)})                   # doctest: +SKIP
->>> path = manager.resolve(cfg.trainer.resume)   # None | "auto" | PATH                    # doctest: +SKIP
->>> state = manager.load(path) if path else None                                           # doctest: +SKIP
+>>> path, state = manager.load_intact(manager.resume_candidates(PATH))  # newest intact one  # doctest: +SKIP
 
 Layout of ``root``::
 
-    checkpoint-000100/state.pt     torch.save of the state dict
-    checkpoint-000100/lora/        one directory or file per writer (here the diffusers-format LoRA)
-    latest                         "checkpoint-000100\\n", the last checkpoint written
+    checkpoint-000100/state.pt       torch.save of the state dict
+    checkpoint-000100/lora/          one directory or file per writer (here the diffusers-format LoRA)
+    checkpoint-000100/manifest.json  every other file with its size and sha256, written last
+    latest                           "checkpoint-000100\\n", the last checkpoint written
 
 A checkpoint directory only ever appears under its final name complete: everything is built in a hidden
 temporary directory in ``root``, flushed to disk, then renamed. A crash (or a writer that raises) while
-saving leaves the previous checkpoint as it was and still ``latest``.
+saving leaves the previous checkpoint as it was and still ``latest``. A filesystem error (disk full, I/O error)
+raises :class:`CheckpointWriteError` naming the checkpoint, the file and the cause.
+
+What is on disk can still go bad later (a copy cut short, a file deleted, a flipped byte): :meth:`verify` checks a
+checkpoint against its manifest, and :meth:`CheckpointManager.load_intact` takes the newest candidate that passes,
+warning about (and naming) each one it skips; :class:`CheckpointError` when none does. Checkpoints written before
+manifests existed (no ``manifest.json``) are only checked by loading their ``state.pt``.
+
+:func:`find_runs` lists earlier runs of the same experiment (the ``meta`` a manifest records) for
+``trainer.resume=auto`` in a fresh run directory.
 
 Call ``save`` on the main process only; under FSDP gather the full state dicts first (collectives run on every
 rank: ``flowgrpo.finetune.trainable_state(..., gather=True)`` and friends), then let rank 0 write.
@@ -26,6 +35,8 @@ rank: ``flowgrpo.finetune.trainable_state(..., gather=True)`` and friends), then
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import os
 import random
 import re
@@ -33,19 +44,24 @@ import shutil
 import signal
 import socket
 import threading
+import time
 import uuid
 import warnings
 from collections import OrderedDict
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
 
 __all__ = [
+    "CheckpointError",
     "CheckpointManager",
+    "CheckpointWriteError",
     "GracefulStop",
+    "atomic_write_text",
     "capture_rng_state",
+    "find_runs",
     "restore_rng_state",
     "save_lora_weights",
     "save_transformer_weights",
@@ -55,6 +71,8 @@ __all__ = [
 STATE_FILE = "state.pt"
 #: Text file in the checkpoint root naming the last checkpoint written.
 LATEST_FILE = "latest"
+#: JSON file in a checkpoint directory: every other file's size and sha256 (and the saver's ``meta``), written last.
+MANIFEST_FILE = "manifest.json"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _TMP_PREFIX = ".tmp-checkpoint-"
 _TRASH_PREFIX = ".trash-checkpoint-"
@@ -145,14 +163,67 @@ def _fsync_tree(root: Path) -> None:
         _fsync_path(Path(dirpath))
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees the old content or the new, never a part (a temporary file
+    beside it, flushed, then renamed over it)."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # (a full disk) no half-written temporary left beside the file
+        raise
     _fsync_path(path.parent)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _file_table(root: Path) -> dict[str, dict]:
+    """``{relative posix path: {"size", "sha256"}}`` of every file under ``root`` but the manifest itself."""
+    table = {}
+    for dirpath, _, filenames in os.walk(root):
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            rel = path.relative_to(root).as_posix()
+            if rel != MANIFEST_FILE:
+                table[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    return dict(sorted(table.items()))
+
+
+def _read_manifest(checkpoint: Path) -> dict | None:
+    """A checkpoint's parsed manifest, or None when it has none or it cannot be read."""
+    try:
+        manifest = json.loads((checkpoint / MANIFEST_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else None
+
+
+def _free_space(path: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(path).free / 2**20:,.0f} MiB free there"
+    except OSError:
+        return "free space unknown"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (unreadable, incomplete, corrupt), or no intact one to resume from; the
+    message names the checkpoints and what is wrong with each."""
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed on the filesystem (disk full, I/O error, permissions). ``errno`` is the cause's;
+    the message names the checkpoint, the file and the cause, and says the previous checkpoint is intact."""
 
 
 def _pid_alive(pid: int) -> bool:
@@ -221,20 +292,26 @@ class CheckpointManager:
         return self.root / f"checkpoint-{int(step):06d}"
 
     def checkpoints(self) -> list[tuple[int, Path]]:
-        """Complete checkpoints as ``(step, dir)``, by increasing step. Temporary directories of saves in progress
-        (here or in other processes) are never listed."""
+        """Checkpoint directories as ``(step, dir)``, by increasing step. Temporary directories of saves in progress
+        (here or in other processes) are never listed; a listed one can still have gone bad since it was written
+        (see :meth:`verify`)."""
         if not self.root.is_dir():
             return []
         found = []
         for child in self.root.iterdir():
             m = _NAME.match(child.name)
-            if m and child.is_dir() and (child / STATE_FILE).is_file():
+            if m and child.is_dir():
                 found.append((int(m.group(1)), child))
         return sorted(found)
 
+    @staticmethod
+    def _looks_complete(path: Path) -> bool:
+        return (path / MANIFEST_FILE).is_file() or (path / STATE_FILE).is_file()
+
     # -- save
 
-    def save(self, step: int, state: dict, *, writers: dict[str, Callable[[Path], None]] | None = None) -> Path:
+    def save(self, step: int, state: dict, *, writers: dict[str, Callable[[Path], None]] | None = None,
+             meta: dict | None = None) -> Path:
         """Write ``root/checkpoint-{step:06d}/`` atomically, point ``latest`` at it, prune old checkpoints.
 
         Args:
@@ -242,12 +319,16 @@ class CheckpointManager:
             state: saved with ``torch.save`` as ``state.pt``.
             writers: ``{name: fn}``; each ``fn(dir / name)`` writes one more file or directory (it gets a path
                 that does not exist yet), e.g. ``{"lora": lambda p: save_lora_weights(pipe, p)}``.
+            meta: JSON-able facts recorded in the manifest (``manifest["meta"]``), e.g. which experiment wrote it
+                (:func:`find_runs` matches on them).
 
         Returns:
             The checkpoint directory.
 
-        An exception from ``torch.save`` or a writer removes the temporary directory and propagates; the previous
-        checkpoints and ``latest`` are untouched. A checkpoint of the same step is replaced.
+        An exception from ``torch.save`` or a writer removes the temporary directory and propagates (with a note
+        naming the checkpoint); the previous checkpoints and ``latest`` are untouched. A filesystem error (disk full,
+        I/O error) is raised as :class:`CheckpointWriteError` naming the checkpoint, the file and the cause. A
+        checkpoint of the same step is replaced.
         """
         writers = dict(writers or {})
         if STATE_FILE in writers:
@@ -258,15 +339,26 @@ class CheckpointManager:
         if self.weights_only:
             _check_weights_only(state, "state")
 
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._remove_stale_temporaries()
         final = self.path(step)
-        tmp = self.root / f"{_TMP_PREFIX}{int(step):06d}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
+        doing = "creating the checkpoint directory"
+        tmp = None
         try:
-            torch.save(state, tmp / STATE_FILE)
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._remove_stale_temporaries()
+            tmp = self.root / f"{_TMP_PREFIX}{int(step):06d}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+            tmp.mkdir()
+            doing = f"writing {STATE_FILE}"
+            # through a Python file object: a full disk then raises OSError(ENOSPC), not torch's bare zip error
+            with open(tmp / STATE_FILE, "wb") as fh:
+                torch.save(state, fh)
             for name, write in writers.items():
+                doing = f"writing {name!r}"
                 write(tmp / name)
+            doing = f"writing {MANIFEST_FILE}"
+            manifest = {"format": 1, "step": int(step), "written": time.time(), "meta": dict(meta or {}),
+                        "files": _file_table(tmp)}
+            atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")  # last: the seal
+            doing = "flushing and renaming it into place"
             _fsync_tree(tmp)
             if final.exists():
                 # POSIX cannot rename a directory onto a non-empty one: move the old one aside first. A crash between
@@ -278,10 +370,27 @@ class CheckpointManager:
             else:
                 os.replace(tmp, final)
             _fsync_path(self.root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException as err:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            previous = self.latest()
+            kept = (f"the previous checkpoint {previous} is intact and still latest" if previous is not None
+                    else "there is no previous checkpoint")
+            if isinstance(err, OSError) and not isinstance(err, CheckpointWriteError):
+                cause = err.strerror or str(err) or type(err).__name__
+                where = f" ({err.filename})" if err.filename else ""
+                raise CheckpointWriteError(
+                    err.errno, f"could not write checkpoint {final}: {cause}{where} while {doing} "
+                    f"({_free_space(self.root)}); nothing was replaced: {kept}") from err
+            if isinstance(err, Exception):
+                err.add_note(f"(while {doing} for checkpoint {final}; nothing was replaced: {kept})")
             raise
-        _atomic_write_text(self.root / LATEST_FILE, final.name + "\n")
+        try:
+            atomic_write_text(self.root / LATEST_FILE, final.name + "\n")
+        except OSError as err:
+            raise CheckpointWriteError(
+                err.errno, f"checkpoint {final} was written, but {self.root / LATEST_FILE} could not be updated: "
+                f"{err.strerror or err} ({_free_space(self.root)}); a resume may pick an older checkpoint") from err
         self._prune(newest=final)
         return final
 
@@ -312,16 +421,75 @@ class CheckpointManager:
     # -- find and load
 
     def latest(self) -> Path | None:
-        """The checkpoint named by ``root/latest`` if it is complete, else the complete one of highest step, else
-        None."""
-        pointer = self.root / LATEST_FILE
-        if pointer.is_file():
-            name = pointer.read_text(encoding="utf-8").strip()
-            candidate = self.root / name
-            if _NAME.match(name) and (candidate / STATE_FILE).is_file():
-                return candidate
+        """The checkpoint named by ``root/latest`` if it looks complete (a manifest, or a ``state.pt``), else such
+        a checkpoint of highest step, else None. Cheap: nothing is hashed (:meth:`verify` does that)."""
+        pointed = self._pointed()
+        if pointed is not None and self._looks_complete(pointed):
+            return pointed
+        found = [path for _, path in self.checkpoints() if self._looks_complete(path)]
+        return found[-1] if found else None
+
+    def _pointed(self) -> Path | None:
+        try:
+            name = (self.root / LATEST_FILE).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        return self.root / name if _NAME.match(name) and (self.root / name).is_dir() else None
+
+    def candidates(self, start: str | os.PathLike | None = None) -> list[Path]:
+        """Checkpoints to try on resume, in order: ``start`` (default: the one ``latest`` names, else the highest
+        step), then every other checkpoint of a lower step, highest first. Nothing is checked here."""
         found = self.checkpoints()
-        return found[-1][1] if found else None
+        if start is None:
+            pointed = self._pointed()
+            if pointed is None:
+                return [path for _, path in reversed(found)]
+            first, rest = pointed, [path for _, path in reversed(found) if path != pointed]
+            return [first, *rest]
+        start = Path(start)
+        m = _NAME.match(start.name)
+        if m is None:  # a checkpoint directory renamed or copied elsewhere: only itself
+            return [start]
+        step = int(m.group(1))
+        return [start, *[path for s, path in reversed(found) if s < step]]
+
+    @staticmethod
+    def verify(path: str | os.PathLike) -> str | None:
+        """None when the checkpoint directory ``path`` is intact, else what is wrong with it (naming the file).
+
+        Intact: ``manifest.json`` reads and lists ``state.pt``, and every file it lists is there with its size and
+        sha256. A checkpoint without a manifest passes when it has a ``state.pt`` (written before manifests existed;
+        :meth:`load` still fails on one that does not load).
+        """
+        path = Path(path)
+        if not path.is_dir():
+            return f"{path} is not a directory"
+        if not (path / MANIFEST_FILE).is_file():
+            if (path / STATE_FILE).is_file():
+                return None
+            return f"incomplete: it has neither {MANIFEST_FILE} nor {STATE_FILE}"
+        manifest = _read_manifest(path)
+        if manifest is None:
+            return f"{path / MANIFEST_FILE} cannot be read (not a manifest)"
+        files = manifest["files"]
+        if STATE_FILE not in files:
+            return f"{path / MANIFEST_FILE} lists no {STATE_FILE}"
+        for rel, info in files.items():
+            file = path / rel
+            try:
+                size = file.stat().st_size
+            except OSError:
+                return f"{file} is missing"
+            info = info if isinstance(info, dict) else {}
+            if size != info.get("size"):
+                return f"{file} is truncated or overwritten ({size} bytes, the manifest says {info.get('size')})"
+            try:
+                digest = _sha256(file)
+            except OSError as err:
+                return f"{file} cannot be read ({err.strerror or err})"
+            if digest != info.get("sha256"):
+                return f"{file} is corrupt (its sha256 differs from the manifest's)"
+        return None
 
     def resolve(self, resume: str | os.PathLike | None) -> Path | None:
         """The checkpoint ``trainer.resume`` asks for.
@@ -329,8 +497,8 @@ class CheckpointManager:
         Args:
             resume: ``None`` (or ``""``, ``"none"``, ``"null"``): start fresh → None. ``"auto"``: the latest
                 checkpoint under this manager's root, or None when there is none (first run of a job that
-                resubmits itself). A path: a checkpoint directory, its ``state.pt``, or a checkpoint root (its
-                latest is used); it must exist.
+                resubmits itself). A path: a checkpoint directory, its ``state.pt``, a checkpoint root (its
+                latest is used) or a run directory (its ``checkpoints/``); it must exist.
 
         Raises:
             FileNotFoundError: a path that is not (or holds no) checkpoint; the message names ``trainer.resume``.
@@ -339,28 +507,95 @@ class CheckpointManager:
             return None
         if isinstance(resume, str) and resume.strip().lower() == "auto":
             return self.latest()
+        return self.resume_candidates(resume)[0]
+
+    def resume_candidates(self, resume: str | os.PathLike) -> list[Path]:
+        """The checkpoints to try for ``trainer.resume=PATH``, newest first (see :meth:`candidates`): a checkpoint
+        directory (or its ``state.pt``) then the older ones beside it; a checkpoint root or a run directory (its
+        ``checkpoints/``): its latest, then the older ones.
+
+        Raises:
+            FileNotFoundError: a path that is not (or holds no) checkpoint; the message names ``trainer.resume``.
+        """
         path = Path(resume).expanduser()
         if path.is_file() and path.name == STATE_FILE:
-            return path.parent
-        if (path / STATE_FILE).is_file():
-            return path
-        if path.is_dir():
-            found = CheckpointManager(path).latest()
-            if found is not None:
+            path = path.parent
+        if path.is_dir() and (_NAME.match(path.name) or self._looks_complete(path)):
+            return CheckpointManager(path.parent).candidates(start=path)
+        for root in (path, path / "checkpoints"):
+            found = CheckpointManager(root).candidates() if root.is_dir() else []
+            if found:
                 return found
         raise FileNotFoundError(
             f"trainer.resume={str(resume)!r}: {'no such file or directory' if not path.exists() else 'holds no checkpoint'} "
             f"({path.resolve()}). Set trainer.resume to a checkpoint directory (with {STATE_FILE}), a checkpoint "
-            f"root (its latest is used), trainer.resume=auto (latest under {self.root} if any) or trainer.resume=null"
+            f"root or a run directory (its latest is used), trainer.resume=auto (latest under {self.root} if any) or "
+            f"trainer.resume=null"
         )
 
     def load(self, path: str | os.PathLike) -> dict:
-        """``torch.load`` of a checkpoint's state (a checkpoint directory or its ``state.pt``) onto the CPU."""
+        """``torch.load`` of a checkpoint's state (a checkpoint directory or its ``state.pt``) onto the CPU.
+
+        Raises:
+            FileNotFoundError: no ``state.pt`` there.
+            CheckpointError: the file does not load (truncated, corrupt, ...); the message names it.
+        """
         path = Path(path)
         file = path if path.is_file() else path / STATE_FILE
         if not file.is_file():
             raise FileNotFoundError(f"no checkpoint state at {file} (trainer.resume)")
-        return torch.load(file, map_location="cpu", weights_only=self.weights_only)
+        try:
+            return torch.load(file, map_location="cpu", weights_only=self.weights_only)
+        except Exception as err:  # torch's zip reader, the unpickler, EOF, I/O: all name no file
+            first_line = (str(err).splitlines() or [""])[0]
+            raise CheckpointError(f"{file} cannot be loaded ({type(err).__name__}: {first_line})") from err
+
+    def load_intact(self, candidates: Iterable[str | os.PathLike]) -> tuple[Path, dict]:
+        """The first of ``candidates`` (newest first) that :meth:`verify` passes and that loads, with its state.
+
+        Each one skipped is named in a warning (what is wrong with it), then the next older one is tried.
+
+        Raises:
+            CheckpointError: none is intact; the message lists every candidate and its fault.
+        """
+        skipped = []
+        for path in map(Path, candidates):
+            problem = self.verify(path)
+            if problem is None:
+                try:
+                    return path, self.load(path)
+                except (CheckpointError, OSError) as err:
+                    problem = str(err)
+            skipped.append(f"{path}: {problem}")
+            warnings.warn(f"checkpoint {path} is not usable: {problem}; skipped, trying the next older one",
+                          RuntimeWarning, stacklevel=2)
+        if not skipped:
+            raise CheckpointError("no checkpoint to resume from")
+        raise CheckpointError("no intact checkpoint to resume from:\n  " + "\n  ".join(skipped) +
+                              "\nRestore one, point trainer.resume at another checkpoint, or set trainer.resume=null to "
+                              "start fresh")
+
+
+def find_runs(search_dir: str | os.PathLike, meta: dict, *, exclude: Iterable[str | os.PathLike] = ()) -> list[Path]:
+    """Run directories under ``search_dir`` (its children and grandchildren, e.g. Hydra's ``outputs/DATE/TIME``)
+    holding a ``checkpoints/`` whose manifests recorded ``meta`` (:meth:`CheckpointManager.save`'s ``meta``), newest
+    first: by when their newest such checkpoint was written. ``exclude``: run directories to leave out (this run's).
+    Only manifests are read; a run whose every manifest is unreadable is not found."""
+    search_dir = Path(search_dir)
+    if not search_dir.is_dir():
+        return []
+    meta = json.loads(json.dumps(meta))  # as a manifest holds it (tuples are lists)
+    excluded = {Path(p).resolve() for p in exclude}
+    found = []
+    for root in {*search_dir.glob("*/checkpoints"), *search_dir.glob("*/*/checkpoints")}:
+        run = root.parent
+        if run.resolve() in excluded or not root.is_dir():
+            continue
+        written = [m.get("written", 0.0) for _, path in CheckpointManager(root).checkpoints()
+                   if (m := _read_manifest(path)) is not None and m.get("meta") == meta]
+        if written:
+            found.append((max(written), str(run), run))
+    return [run for *_, run in sorted(found, reverse=True)]
 
 
 # ----------------------------------------------------------------------------------------------- LoRA

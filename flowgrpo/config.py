@@ -243,7 +243,8 @@ class TrainerConfig:
     log_every: int = _knob(1, ge=1)  # iterations between scalar logs
     checkpoint_every: int = _knob(50, ge=0)  # iterations between checkpoints; 0 = only at the end
     keep_checkpoints: Optional[int] = _knob(2, ge=1)  # newest checkpoints kept; null = all
-    resume: Optional[str] = None  # null = fresh run; "auto" = newest checkpoint in output_dir; or a checkpoint path
+    resume: Optional[str] = None  # null = fresh; "auto" = newest intact checkpoint of this or an earlier same-experiment run; or a path
+    resume_search_dir: Optional[str] = None  # where resume=auto finds earlier runs; null = <root> of a timestamped <root>/DATE/TIME run dir
     output_dir: Optional[str] = None  # null = Hydra's run dir (chosen on rank 0)
 
 

@@ -19,9 +19,13 @@ global batch, and a resumed run equals one that never stopped.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
+import re
+import sys
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -34,7 +38,8 @@ from samplers import rollout
 from .advantages import RewardAggregator, advantage_stats
 from .algorithms import Batch, UpdateContext, build_algorithm
 from .build import batch_plan, build_adapter, build_prompts, build_reward, build_sampler, model_kwargs, prompt_pools
-from .checkpoint import CheckpointManager, GracefulStop, capture_rng_state, restore_rng_state, save_lora_weights
+from .checkpoint import (CheckpointManager, GracefulStop, atomic_write_text, capture_rng_state, find_runs,
+                         restore_rng_state, save_lora_weights)
 from .evaluation import EvalSamples, held_out_jobs, score_jobs
 from .evaluation import seeded_generator as _gen
 from .finetune import (EMA, frozen_reference, gathers_state, load_optimizer_state, load_trainable_state,
@@ -50,6 +55,19 @@ class NonFiniteError(RuntimeError):
 
 # Stream ids: which kind of draw a generator serves (held-out noise: flowgrpo.evaluation.EVAL_STREAM = 5).
 _PROMPTS, _NOISE, _SDE, _ORDER, _ALGO = 1, 2, 3, 4, 6
+# Hydra's default run dir, <root>/YYYY-MM-DD/HH-MM-SS (conf/train.yaml): trainer.resume=auto searches <root>.
+_RUN_DAY, _RUN_TIME = re.compile(r"\d{4}-\d{2}-\d{2}"), re.compile(r"\d{2}-\d{2}-\d{2}")
+
+
+def _cpu_copy(obj):
+    """A copy of nested dicts / lists / tuples with every tensor cloned onto the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return type(obj)((k, _cpu_copy(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 class TrainerContext(UpdateContext):
@@ -167,6 +185,15 @@ class Trainer:
         self.logger = None
         self._stop = None
         self._last_batch: Batch | None = None
+        # Crash checkpoints: the state of the last completed iteration, taken at the start of each one (without the
+        # weights), a host copy of the LoRA weights / optimizer / EMA taken before the iteration's first optimizer
+        # step, and which iteration's checkpoint this process wrote last.
+        self._snapshot: dict | None = None
+        self._weights_snapshot: dict | None = None
+        self._weights_touched = False
+        self._saved: tuple[int, Path] | None = None
+        self._phase: str | None = None
+        self._metrics_stale = False  # a metrics.jsonl write failed: the next one rewrites the file whole
         if self.acc.is_main_process:
             from .build import build_logger
 
@@ -388,6 +415,7 @@ class Trainer:
                             finite_grad = math.isfinite(info["grad_norm"]) or self.acc.scaler is not None
                             if self._agree_finite(window_finite and finite_grad):
                                 self._consecutive_skips = 0
+                                self._before_weights_change()
                                 self.optimizer.step()
                                 self.lr_scheduler.step()
                                 self.updates += 1
@@ -484,7 +512,7 @@ class Trainer:
         result = samples.scalars(tag)
         if self.gallery is not None and first:
             prompts, images, out = first[0]
-            self.gallery.log(self.iteration, prompts, images, rewards=out.scores, components=out.components, tag=tag)
+            self._gallery_log(self.iteration, prompts, images, rewards=out.scores, components=out.components, tag=tag)
         return result
 
     # ------------------------------------------------------------------ 6. checkpoint / resume
@@ -508,6 +536,54 @@ class Trainer:
             "config": OmegaConf.to_container(self.cfg, resolve=True),
         }
 
+    def _light_state(self) -> dict[str, Any]:
+        """``state_dict()`` without the trained weights, optimizer, EMA and config: copies, cheap enough to take at
+        the start of every iteration (what a crash checkpoint falls back to)."""
+        return {
+            "iteration": self.iteration,
+            "updates": self.updates,
+            "skipped_updates": self.skipped_updates,
+            "lr_scheduler": copy.deepcopy(self.lr_scheduler.state_dict()),
+            "algorithm": _cpu_copy(self.algorithm.state_dict()),
+            "aggregator": None if self.aggregator is None else _cpu_copy(self.aggregator.state_dict()),
+            "rng": capture_rng_state(),
+            "history": list(self.history),
+            "evals": list(self.evals),
+        }
+
+    def _weights_state(self) -> dict[str, Any]:
+        """The trained weights, optimizer and EMA parts of ``state_dict()`` as host copies (no FSDP gather)."""
+        return {"trainable": trainable_state(self.unwrapped),
+                "optimizer": _cpu_copy(optimizer_state(self.unwrapped, self.optimizer)),
+                "ema": None if self.ema is None else _cpu_copy(self.ema.state_dict())}
+
+    def _before_weights_change(self) -> None:
+        """Called before each optimizer step: the first one of an iteration keeps a host copy of the LoRA weights,
+        optimizer and EMA, so an error later in the iteration can still checkpoint the last completed one. Not for
+        full fine-tuning (the copy would cost the model's size again) nor under FSDP (gathering is a collective)."""
+        if self._snapshot is None or self._weights_touched:
+            return
+        self._weights_touched = True
+        if self.cfg.model.finetune == "lora" and self.acc.is_main_process and not gathers_state(self.acc):
+            self._weights_snapshot = self._weights_state()
+
+    def run_identity(self) -> dict[str, Any]:
+        """What makes two runs the same experiment for ``trainer.resume=auto``: the experiment preset (when started
+        through Hydra), the model, algorithm, sampler, reward and data names, and the seed. Every checkpoint's
+        manifest records it."""
+        experiment = None
+        try:
+            from hydra.core.hydra_config import HydraConfig
+
+            if HydraConfig.initialized():
+                experiment = HydraConfig.get().runtime.choices.get("experiment")
+        except Exception:  # no Hydra run (a Trainer built in Python): no preset name
+            experiment = None
+        c = self.cfg
+        return {"experiment": None if experiment is None else str(experiment), "model": str(c.model.pretrained),
+                "algo": str(c.algo.name), "sampler": str(c.sampler.name), "reward": str(c.reward.name),
+                "data": str(c.data.name), "seed": int(c.trainer.seed)}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``'s result (under FSDP every rank passes the full state and keeps its shards)."""
         gather = gathers_state(self.acc)
@@ -529,46 +605,88 @@ class Trainer:
         self.history = list(state.get("history", []))
         self.evals = list(state.get("evals", []))
 
-    def save_checkpoint(self) -> Path | None:
+    def save_checkpoint(self, light: dict[str, Any] | None = None) -> Path | None:
         """Atomic checkpoint of everything needed to resume, plus the LoRA in diffusers format (rank 0 writes; under
-        FSDP every rank first takes part in gathering the full state)."""
-        from .checkpoint import save_transformer_weights
+        FSDP every rank first takes part in gathering the full state). ``light``: a ``_light_state()`` taken earlier
+        whose entries replace the live ones (the weights must not have moved since)."""
         gather = gathers_state(self.acc)  # raises for DeepSpeed / FSDP1 before anything is written
         self.acc.wait_for_everyone()
         path = None
         state = self.state_dict() if gather or self.acc.is_main_process else None
         if self.acc.is_main_process:
-            trained = state["trainable"]
-            writers = {}
-            if self.cfg.model.finetune == "lora":
-                writers["lora"] = lambda d: save_lora_weights(self.adapter.pipe, d, transformer=self.unwrapped,
-                                                              state_dict=trained)
-            elif gather:  # the module's own state dict holds this rank's shards: write the gathered weights
-                writers["transformer"] = lambda d: save_transformer_weights(self.unwrapped, d, trained)
-            else:  # the fine-tuned transformer in diffusers format: swap it into the pipeline with from_pretrained
-                writers["transformer"] = lambda d: self.unwrapped.save_pretrained(d, safe_serialization=True)
-            path = self.ckpt.save(self.iteration, state, writers=writers)
+            state.update(light or {})
+            path = self._write_checkpoint(state, gather)
         self.acc.wait_for_everyone()
         return path
 
+    def _write_checkpoint(self, state: dict[str, Any], gather: bool) -> Path:
+        from .checkpoint import save_transformer_weights
+
+        trained = state["trainable"]
+        writers = {}
+        if self.cfg.model.finetune == "lora":
+            writers["lora"] = lambda d: save_lora_weights(self.adapter.pipe, d, transformer=self.unwrapped,
+                                                          state_dict=trained)
+        elif gather:  # the module's own state dict holds this rank's shards: write the gathered weights
+            writers["transformer"] = lambda d: save_transformer_weights(self.unwrapped, d, trained)
+        else:  # the fine-tuned transformer in diffusers format: swap it into the pipeline with from_pretrained
+            writers["transformer"] = lambda d: self.unwrapped.save_pretrained(d, safe_serialization=True)
+        path = self.ckpt.save(state["iteration"], state, writers=writers, meta={"run": self.run_identity()})
+        self._saved = (state["iteration"], path)
+        return path
+
     def maybe_resume(self) -> bool:
+        """Restore ``trainer.resume``'s checkpoint; says what it resumed from, or that there was nothing to resume.
+
+        ``auto``: the newest intact checkpoint of this run dir, then of earlier runs of the same experiment
+        (:meth:`run_identity`, newest run first) under ``trainer.resume_search_dir`` — by default, when the run dir
+        is Hydra's timestamped ``<root>/YYYY-MM-DD/HH-MM-SS``, under ``<root>``; none at all: a fresh start, said so.
+        A path: a run dir, a checkpoint root or a checkpoint dir (then the older ones beside it). A corrupt or
+        incomplete checkpoint is named in a warning and the next older one is tried; none intact: CheckpointError.
+        """
         # At start-up: raises for set-ups whose checkpoints would not be complete (DeepSpeed, FSDP1). Under FSDP2
         # self.params are the sharded parameters (re-read after accelerate.prepare), so clipping and the EMA see them.
         gathers_state(self.acc)
-        path = self.ckpt.resolve(self.cfg.trainer.resume)
-        if path is None:
+        resume = self.cfg.trainer.resume
+        if resume is None or str(resume).strip().lower() in ("", "none", "null"):
             return False
-        self.load_state_dict(self.ckpt.load(path))
-        self._print(f"resumed from {path} at iteration {self.iteration}")
+        if str(resume).strip().lower() == "auto":
+            candidates, searched = self._auto_candidates()
+            if not candidates:
+                self._print(f"trainer.resume=auto: nothing to resume ({searched}); starting fresh")
+                return False
+        else:
+            candidates = self.ckpt.resume_candidates(resume)
+        path, state = self.ckpt.load_intact(candidates)
+        self.load_state_dict(state)
+        elsewhere = "" if path.parent == self.ckpt.root else f"; this run writes to {self.out}"
+        self._print(f"trainer.resume={resume}: resumed from {path} at iteration {self.iteration}{elsewhere}")
         return True
+
+    def _auto_candidates(self) -> tuple[list[Path], str]:
+        """``trainer.resume=auto``'s checkpoints, newest first, and where it looked (for the nothing-found line)."""
+        own = self.ckpt.candidates()
+        search = self.cfg.trainer.get("resume_search_dir")
+        if search is None and _RUN_DAY.fullmatch(self.out.parent.name) and _RUN_TIME.fullmatch(self.out.name):
+            search = self.out.parent.parent
+        if search is None:
+            return own, (f"no checkpoint in {self.ckpt.root}; earlier runs are searched from a timestamped run dir "
+                         f"or with trainer.resume_search_dir")
+        runs = find_runs(search, {"run": self.run_identity()}, exclude=[self.out])
+        earlier = [c for run in runs for c in CheckpointManager(run / "checkpoints").candidates()]
+        return own + earlier, (f"no checkpoint in {self.ckpt.root} nor in an earlier run of this experiment "
+                               f"under {search}")
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> dict[str, float]:
         """One full iteration (phases 1–5); returns its scalars. ``self.iteration`` advances at the end."""
         it = self.iteration
         timings: dict[str, float] = {}
+        self._snapshot = self._light_state()  # the last completed iteration, for a crash checkpoint
+        self._weights_snapshot, self._weights_touched = None, False
 
         def timed(name, fn, *a):
+            self._phase = name
             t0 = time.perf_counter()
             result = fn(*a)
             timings[f"time/{name}"] = time.perf_counter() - t0
@@ -636,20 +754,24 @@ class Trainer:
         self._metrics_path = self.out / "metrics.jsonl"
         if self.acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
-            self._metrics_path.write_text("".join(json.dumps(row) + "\n" for row in self.history + self.evals))
+            self._append_metrics(None)
         if t.eval_before and self.iteration == 0 and not self.evals:
             self._record_eval()
         bar = tqdm(total=t.iterations, initial=self.iteration, disable=not self.acc.is_main_process,
                    desc="GRPO", dynamic_ncols=True)
-        stopped = None
-        with GracefulStop() as stop:
+        stopped, light = None, None
+        # An exception in here (reward server down, OOM, a bug) checkpoints the last completed iteration and writes
+        # summary.json with the error before it propagates (_on_crash).
+        with self._crash_guard(bar), GracefulStop() as stop:
             self._stop = stop
             while self.iteration < t.iterations:
                 try:
                     scalars = self.step()
                 except Trainer._Abandon as phase:
                     stopped = f"stop requested during {phase}; iteration {self.iteration} abandoned"
+                    light = self._snapshot  # the weights have not moved; the rest is as the iteration began
                     break
+                self._snapshot = None
                 self.history.append(scalars)
                 self._append_metrics(scalars)
                 bar.update(1)
@@ -658,8 +780,8 @@ class Trainer:
                     self.logger.log(scalars, step=self.iteration)
                 if self.gallery is not None and t.gallery_every and self.iteration % t.gallery_every == 0:
                     b = self._last_batch
-                    self.gallery.log(self.iteration, b.prompts, b.images, rewards=b.rewards, components=b.components,
-                                     advantages=b.advantages, group_size=t.group_size, tag="train")  # all its prompts
+                    self._gallery_log(self.iteration, b.prompts, b.images, rewards=b.rewards, components=b.components,
+                                      advantages=b.advantages, group_size=t.group_size, tag="train")  # all its prompts
                 last = self.iteration == t.iterations
                 if t.eval_every and self.iteration % t.eval_every == 0 and not last:
                     self._record_eval()
@@ -669,19 +791,113 @@ class Trainer:
                 if t.checkpoint_every and self.iteration % t.checkpoint_every == 0 and not last:
                     self.save_checkpoint()
         bar.close()
-        if stopped is None:
-            self._record_eval()
-        path = self.save_checkpoint()
+        with self._crash_guard(bar):
+            if stopped is None:
+                self._record_eval()
+            path = self.save_checkpoint(light)
+        self._snapshot = None
         summary = self.summary(path, stopped)
         if self.logger is not None:
             self.logger.finish()
         return summary
 
-    def _append_metrics(self, row: dict) -> None:
+    @contextlib.contextmanager
+    def _crash_guard(self, bar=None):
+        try:
+            yield
+        except Exception as err:
+            if bar is not None:
+                bar.close()
+            self._on_crash(err)
+            raise
+
+    def _on_crash(self, err: Exception) -> None:
+        """An exception inside the training loop: checkpoint the last completed iteration, write ``summary.json``
+        with the error, add a note saying how to resume; the caller re-raises. The main process writes, without
+        collectives (the other processes may be waiting in one); nothing here hides the original error."""
+        in_step = self._snapshot is not None
+        failed = self._snapshot["iteration"] if in_step else self.iteration
+        phase = self._phase if in_step else "between iterations (logging, gallery, evaluation or checkpoint)"
+        if not self.acc.is_main_process:
+            return
+        checkpoint, note = None, None
+        try:
+            checkpoint, note = self._crash_checkpoint()
+        except Exception as save_err:  # e.g. the disk is full too: report it, keep the original error
+            note = f"the crash checkpoint could not be written: {type(save_err).__name__}: {save_err}"
+        done = self._snapshot if in_step else {"iteration": self.iteration, "updates": self.updates,
+                                               "skipped_updates": self.skipped_updates, "evals": self.evals}
+        resume_from = checkpoint or self.ckpt.latest()
+        line = (f"error in iteration {failed} ({phase}): {type(err).__name__}: {err}\n"
+                + (f"checkpoint of the {done['iteration']} completed iterations: {checkpoint}" if checkpoint else
+                   f"no crash checkpoint ({note}); newest checkpoint on disk: {resume_from}") + "\n"
+                + (f"resume with trainer.resume={self.out}" if resume_from else "nothing to resume from"))
+        evals = done["evals"]
+        summary = {"iterations": done["iteration"], "updates": done["updates"],
+                   "skipped_updates": done["skipped_updates"], "checkpoint": str(checkpoint) if checkpoint else None,
+                   "stopped": f"error in iteration {failed}",
+                   "error": {"type": type(err).__name__, "message": str(err), "iteration": failed, "phase": phase},
+                   "resume_from": str(resume_from) if resume_from else None, "note": note,
+                   "eval_first": evals[0] if evals else {}, "eval_last": evals[-1] if evals else {}}
+        try:
+            atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+        except OSError as write_err:
+            line += f"\n(could not write {self.out / 'summary.json'}: {write_err.strerror or write_err})"
+        print(line, file=sys.stderr, flush=True)
+        err.add_note(line)
+        if self.logger is not None:
+            try:
+                self.logger.finish()
+            except Exception:  # the logger's own failure must not replace the error being reported
+                pass
+
+    def _crash_checkpoint(self) -> tuple[Path | None, str | None]:
+        """Write (or find) the checkpoint of the last completed iteration; ``(None, why)`` when that state is not at
+        hand."""
+        if gathers_state(self.acc):
+            return None, "under FSDP the full state is gathered by every process together, which an error prevents"
+        light = self._snapshot
+        iteration = self.iteration if light is None else light["iteration"]
+        if self._saved is not None and self._saved[0] == iteration and self._saved[1].is_dir():
+            return self._saved[1], None  # this iteration's checkpoint was already written
+        if light is None:  # between iterations: the live state is the last completed iteration's
+            return self._write_checkpoint(self.state_dict(), False), None
+        if self._weights_touched and self._weights_snapshot is None:
+            return None, ("the error came after this iteration's first optimizer step and full fine-tuning keeps "
+                          "no copy of the weights before it")
+        weights = self._weights_snapshot if self._weights_touched else self._weights_state()
+        state = {**light, **weights, "config": OmegaConf.to_container(self.cfg, resolve=True)}
+        return self._write_checkpoint(state, False), None
+
+    def _io_warning(self, what: str, err: OSError) -> None:
+        where = f" ({err.filename})" if getattr(err, "filename", None) else ""
+        warnings.warn(f"could not write {what}{where}: {err.strerror or err}; the run goes on", RuntimeWarning,
+                      stacklevel=3)
+
+    def _gallery_log(self, step: int, *args, **kwargs) -> None:
+        """``Gallery.log``; a filesystem error (disk full, ...) is a warning: a gallery is not worth the run."""
+        try:
+            self.gallery.log(step, *args, **kwargs)
+        except OSError as err:
+            tag = kwargs.get("tag", "train")
+            self._io_warning(f"the {tag} gallery of iteration {step} under {self.out / 'gallery'}", err)
+
+    def _append_metrics(self, row: dict | None) -> None:
+        """Append ``row`` to metrics.jsonl; ``None``, or after a failed write, rewrite it whole from the history and
+        evaluations. A filesystem error (disk full, ...) is a warning: the rows stay in memory and in checkpoints,
+        and the next write that succeeds rewrites the file."""
         path = getattr(self, "_metrics_path", None)
         if path is not None and self.acc.is_main_process:
-            with open(path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            try:
+                if row is None or self._metrics_stale:
+                    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in self.history + self.evals))
+                else:
+                    with open(path, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                self._metrics_stale = False
+            except OSError as err:
+                self._metrics_stale = True
+                self._io_warning(str(path), err)
 
     def _record_eval(self) -> None:
         result = self.evaluate()

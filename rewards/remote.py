@@ -18,8 +18,16 @@ Response: ``{"scores": [float × B], "components": {name: [float | null × B], .
 ``null`` in a component becomes NaN, e.g. a per-tag component on another tag's image). Scores must all be finite.
 
 Failures raise :class:`RemoteRewardError` naming the URL: connection refused, timeout, an HTTP error status (with
-the start of the body), a body that is not JSON, missing or non-finite scores, or a wrong count. Connection errors,
-timeouts and 5xx answers are retried ``retries`` times with exponential back-off; a score is never made up.
+the start of the body), a body that is not JSON, missing or non-finite scores, or a wrong count. What is retried,
+with exponential back-off (``backoff`` doubled each time, at most ``max_backoff``, or the server's ``Retry-After``):
+
+* an outage — connection refused or reset, a timeout, HTTP 502 / 503 / 504 / 429: ``retries`` times, and beyond that
+  for as long as it lasts up to ``retry_window`` seconds (default 120) after the request first failed, so a reward
+  server that restarts or is still loading does not stop the run;
+* another 5xx (500: the server failed on this request): ``retries`` times only;
+* nothing else (other 4xx, a bad answer). ``retries=0`` turns retrying off altogether.
+
+Each retry is logged (logger ``rewards.remote``, WARNING: attempt, wait, error). A score is never made up.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import math
 import time
 import urllib.error
@@ -40,6 +49,8 @@ from .base import RewardOutput, register
 from .images import to_uint8_images
 
 __all__ = ["RemoteReward", "RemoteRewardError", "encode_media"]
+
+log = logging.getLogger(__name__)
 
 
 class RemoteRewardError(RuntimeError):
@@ -85,8 +96,12 @@ class RemoteReward:
     Args:
         url: the scoring endpoint, ``http(s)://host:port/path``.
         timeout: seconds to wait for one request.
-        retries: extra attempts after a connection error, timeout or 5xx answer (4xx and bad bodies: none).
-        backoff: seconds before the first retry, doubled each time.
+        retries: retries after a connection error, timeout or 5xx / 429 answer, whatever ``retry_window`` (other 4xx
+            and bad bodies: none); 0: no retry at all.
+        backoff: seconds before the first retry, doubled each time (at most ``max_backoff``).
+        retry_window: an outage (connection refused, timeout, HTTP 502 / 503 / 504 / 429) is retried beyond
+            ``retries`` for up to this many seconds after the request first failed; 0: only ``retries``.
+        max_backoff: the longest wait between two attempts (a ``Retry-After`` answer is honoured up to it too).
         format: ``"png"`` or ``"npz"`` (see module doc).
         batch_size: images per request (None: the whole batch in one request).
         headers: extra HTTP headers (e.g. an authorisation header the server expects).
@@ -94,7 +109,8 @@ class RemoteReward:
     """
 
     def __init__(self, url: str, *, timeout: float = 60.0, retries: int = 2, backoff: float = 1.0, format: str = "png",
-                 batch_size: int | None = None, headers: Mapping[str, str] | None = None, extra: Mapping | None = None):
+                 batch_size: int | None = None, headers: Mapping[str, str] | None = None, extra: Mapping | None = None,
+                 retry_window: float = 120.0, max_backoff: float = 15.0):
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"remote reward: url must start with http:// or https://, got {url!r}")
         if format not in ("png", "npz"):
@@ -102,7 +118,11 @@ class RemoteReward:
         if timeout <= 0 or retries < 0 or backoff < 0 or (batch_size is not None and batch_size < 1):
             raise ValueError(f"remote reward: need timeout > 0, retries >= 0, backoff >= 0, batch_size >= 1 or None; got "
                              f"timeout={timeout}, retries={retries}, backoff={backoff}, batch_size={batch_size}")
+        if retry_window < 0 or max_backoff < 0:
+            raise ValueError(f"remote reward: need retry_window >= 0 and max_backoff >= 0; got retry_window={retry_window}, "
+                             f"max_backoff={max_backoff}")
         self.url, self.timeout, self.retries, self.backoff = url, float(timeout), int(retries), float(backoff)
+        self.retry_window, self.max_backoff = float(retry_window), float(max_backoff)
         self.format, self.batch_size = format, batch_size
         self.headers = {"Content-Type": "application/json", "Accept": "application/json", **dict(headers or {})}
         self.extra = dict(extra or {})
@@ -114,31 +134,48 @@ class RemoteReward:
 
     def _post(self, payload: dict) -> dict:
         body = json.dumps(payload).encode("utf-8")
-        last = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+        first_failure = None
+        attempt = 0
+        while True:
+            attempt += 1
             request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
+            retry_after, outage = None, True
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
                     raw = response.read()
             except urllib.error.HTTPError as err:
                 text = err.read().decode("utf-8", "replace")[:500]
                 last = RemoteRewardError(f"remote reward {self.url}: HTTP {err.code} {err.reason}: {text}")
-                if err.code < 500:
+                if err.code < 500 and err.code != 429:
                     raise last from err
-                continue
+                retry_after, outage = _retry_after(err.headers), err.code in _OUTAGE_CODES
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
                 reason = getattr(err, "reason", err)
                 last = RemoteRewardError(f"remote reward {self.url}: no answer ({type(reason).__name__}: {reason}); "
                                          f"is the reward server running and reachable? (timeout={self.timeout}s)")
-                continue
-            try:
-                return json.loads(raw)
-            except json.JSONDecodeError as err:
-                raise RemoteRewardError(f"remote reward {self.url}: the answer is not JSON ({err}): "
-                                        f"{raw[:200].decode('utf-8', 'replace')!r}") from err
-        raise RemoteRewardError(f"{last} (after {self.retries + 1} attempts)")
+            else:
+                try:
+                    return json.loads(raw)
+                except json.JSONDecodeError as err:
+                    raise RemoteRewardError(f"remote reward {self.url}: the answer is not JSON ({err}): "
+                                            f"{raw[:200].decode('utf-8', 'replace')!r}") from err
+            # a transient failure: wait and retry while within `retries` or (an outage) the retry window
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            left = self.retry_window - (now - first_failure) if outage and self.retries else 0.0
+            if attempt > self.retries and left <= 0:
+                window = f"; retry_window={self.retry_window:g}s" if outage and self.retries else ""
+                raise RemoteRewardError(f"{last} (gave up after {attempt} attempts over {now - first_failure:.1f}s{window})")
+            wait = min(self.backoff * 2 ** (attempt - 1), self.max_backoff)
+            if retry_after is not None:
+                wait = min(max(wait, retry_after), self.max_backoff)
+            if attempt > self.retries:
+                wait = min(wait, max(left, 0.0))  # the last retry lands at the end of the window, not after it
+            budget = (f"{left:.0f}s of the {self.retry_window:g}s retry window left" if left > 0 else
+                      f"retry {attempt} of {self.retries}")
+            log.warning("remote reward %s: attempt %d failed (%s); retrying in %.1fs (%s)",
+                        self.url, attempt, str(last).split(": ", 1)[-1], wait, budget)
+            time.sleep(wait)
 
     def _parse(self, answer, n: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         where = f"remote reward {self.url}"
@@ -197,6 +234,18 @@ class RemoteReward:
 
     def __repr__(self) -> str:
         return f"RemoteReward({self.url!r}, format={self.format!r})"
+
+
+_OUTAGE_CODES = (429, 502, 503, 504)  # the server is (temporarily) not there to answer: worth waiting for
+
+
+def _retry_after(headers) -> float | None:
+    """A ``Retry-After`` header in seconds (its HTTP-date form is ignored)."""
+    value = headers.get("Retry-After") if headers is not None else None
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
 
 
 register("remote")(RemoteReward)

@@ -1,4 +1,5 @@
-"""Checkpoints: atomic save / load round trips, resume resolution, pruning, crash safety, RNG, LoRA, SIGTERM."""
+"""Checkpoints: atomic save / load round trips, resume resolution, pruning, crash safety, RNG, LoRA, SIGTERM;
+manifests (a corrupt or incomplete checkpoint is named and skipped), earlier runs of an experiment, a full disk."""
 
 from __future__ import annotations
 
@@ -282,3 +283,188 @@ def test_graceful_stop_outside_main_thread_is_a_noop():
     t.start()
     t.join()
     assert seen == {"active": False, "handler": before, "requested": True}
+
+
+# ------------------------------------------------------------------------------- manifests and resume
+
+
+def _flip_byte(path, offset=-10):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_every_checkpoint_carries_a_manifest_of_its_files_written_last(tmp_path):
+    import hashlib
+    import json
+
+    manager = CheckpointManager(tmp_path)
+
+    def writer(d):
+        d.mkdir()
+        (d / "weights.bin").write_bytes(b"\x01\x02\x03")
+
+    path = manager.save(4, {"w": torch.arange(5.0)}, writers={"lora": writer}, meta={"run": {"algo": "grpo", "seed": 0}})
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["step"] == 4 and manifest["meta"] == {"run": {"algo": "grpo", "seed": 0}}
+    assert sorted(manifest["files"]) == ["lora/weights.bin", "state.pt"]
+    for rel, info in manifest["files"].items():
+        data = (path / rel).read_bytes()
+        assert info == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert manager.verify(path) is None
+    assert not [p for p in path.rglob("*") if p.name.startswith(".")]  # the manifest's own temporary is gone
+
+
+@pytest.mark.parametrize("fault,named", [
+    ("truncated state.pt", r"checkpoint-000002/state\.pt is truncated"),
+    ("missing state.pt", r"checkpoint-000002/state\.pt is missing"),
+    ("flipped byte in state.pt", r"checkpoint-000002/state\.pt is corrupt"),
+    ("flipped byte in the LoRA", r"checkpoint-000002/lora/weights\.bin is corrupt"),
+    ("missing manifest and state.pt", r"checkpoint-000002 is not usable: incomplete"),
+])
+def test_a_corrupt_or_incomplete_checkpoint_is_named_skipped_and_the_next_older_one_used(tmp_path, fault, named):
+    manager = CheckpointManager(tmp_path, keep=None)
+
+    def writer(d):
+        d.mkdir()
+        (d / "weights.bin").write_bytes(bytes(range(64)))
+
+    for step in (1, 2):
+        manager.save(step, {"step": step, "w": torch.full((100,), float(step))}, writers={"lora": writer})
+    bad = manager.path(2)
+    state = bad / "state.pt"
+    if fault == "truncated state.pt":
+        state.write_bytes(state.read_bytes()[:300])
+    elif fault == "missing state.pt":
+        state.unlink()
+    elif fault == "flipped byte in state.pt":
+        _flip_byte(state)
+    elif fault == "flipped byte in the LoRA":
+        _flip_byte(bad / "lora" / "weights.bin")
+    else:
+        state.unlink()
+        (bad / "manifest.json").unlink()
+    assert manager.verify(manager.path(1)) is None and manager.verify(bad) is not None
+    for candidates in (manager.candidates(), manager.resume_candidates(str(tmp_path)),
+                       manager.resume_candidates(str(bad))):  # the root, or the bad checkpoint itself
+        assert candidates[0] == bad
+        with pytest.warns(RuntimeWarning, match=named + r".*skipped, trying the next older one"):
+            path, loaded = manager.load_intact(candidates)
+        assert path == manager.path(1) and loaded["step"] == 1
+
+
+def test_no_intact_checkpoint_is_a_clear_error_naming_each(tmp_path):
+    from flowgrpo.checkpoint import CheckpointError
+
+    manager = CheckpointManager(tmp_path, keep=None)
+    for step in (1, 2):
+        manager.save(step, {"step": step, "w": torch.zeros(100)})
+    _flip_byte(manager.path(1) / "state.pt")
+    (manager.path(2) / "state.pt").unlink()
+    with pytest.warns(RuntimeWarning), pytest.raises(CheckpointError) as info:
+        manager.load_intact(manager.candidates())
+    message = str(info.value)
+    assert "no intact checkpoint" in message and "trainer.resume=null" in message
+    assert "checkpoint-000002/state.pt is missing" in message and "checkpoint-000001/state.pt is corrupt" in message
+
+
+def test_a_checkpoint_without_manifest_that_does_not_load_is_named(tmp_path):
+    """Checkpoints written before manifests: checked by loading; a truncated one names its file (not a bare torch
+    zip error) and the older one is used."""
+    from flowgrpo.checkpoint import CheckpointError
+
+    manager = CheckpointManager(tmp_path, keep=None)
+    for step in (1, 2):
+        (manager.save(step, {"step": step, "w": torch.zeros(1000)}) / "manifest.json").unlink()
+    state = manager.path(2) / "state.pt"
+    state.write_bytes(state.read_bytes()[:300])
+    assert manager.verify(manager.path(2)) is None  # nothing to check it against
+    with pytest.raises(CheckpointError, match=r"checkpoint-000002/state\.pt cannot be loaded"):
+        manager.load(manager.path(2))
+    with pytest.warns(RuntimeWarning, match=r"checkpoint-000002/state\.pt cannot be loaded"):
+        path, loaded = manager.load_intact(manager.candidates())
+    assert path == manager.path(1) and loaded["step"] == 1
+
+
+def test_resume_paths_run_dirs_checkpoint_dirs_and_roots(tmp_path):
+    run = tmp_path / "run"
+    manager = CheckpointManager(run / "checkpoints", keep=None)
+    for step in (1, 2, 3):
+        manager.save(step, {"step": step})
+    c1, c2, c3 = (manager.path(s) for s in (1, 2, 3))
+    assert manager.resume_candidates(str(run)) == [c3, c2, c1]  # a run dir: its checkpoints/
+    assert manager.resume_candidates(str(run / "checkpoints")) == [c3, c2, c1]
+    assert manager.resume_candidates(str(c2)) == [c2, c1]  # a checkpoint: it, then the older ones
+    assert manager.resume_candidates(str(c2 / "state.pt")) == [c2, c1]
+    assert manager.resolve(str(run)) == c3
+    manager.save(2, {"step": 2})  # `latest` names the last written (a rolled-back resume) first
+    assert manager.candidates() == [c2, c3, c1]
+    with pytest.raises(FileNotFoundError, match=r"trainer\.resume=.*holds no checkpoint"):
+        manager.resume_candidates(str(tmp_path))  # holds a run, but is not one
+
+
+def test_find_runs_matches_the_experiment_newest_first(tmp_path):
+    from flowgrpo.checkpoint import find_runs
+
+    me, other = {"run": {"algo": "grpo", "seed": 0}}, {"run": {"algo": "grpo", "seed": 1}}
+    runs = {}
+    for name, meta in (("2026-01-01/10-00-00", me), ("2026-01-01/11-00-00", other), ("2026-01-02/09-00-00", me),
+                       ("2026-01-02/12-00-00", None)):
+        runs[name] = tmp_path / name
+        if meta is not None:
+            CheckpointManager(runs[name] / "checkpoints").save(1, {"x": 1}, meta=meta)
+            time.sleep(0.01)
+    (runs["2026-01-02/12-00-00"] / "checkpoints").mkdir(parents=True)  # a run that never checkpointed
+    assert find_runs(tmp_path, me) == [runs["2026-01-02/09-00-00"], runs["2026-01-01/10-00-00"]]
+    assert find_runs(tmp_path, me, exclude=[runs["2026-01-02/09-00-00"]]) == [runs["2026-01-01/10-00-00"]]
+    assert find_runs(tmp_path, other) == [runs["2026-01-01/11-00-00"]]
+    assert find_runs(tmp_path / "missing", me) == []
+
+
+# --------------------------------------------------------------------------------------------- disk full
+
+
+def _enospc(*_, **__):
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("where", ["state", "writer"])
+def test_disk_full_while_saving_names_the_path_and_the_cause_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch,
+                                                                                             where):
+    import errno
+
+    from flowgrpo.checkpoint import CheckpointWriteError
+
+    manager = CheckpointManager(tmp_path, keep=1)
+    good = manager.save(1, {"w": torch.arange(3.0)})
+    writers = {}
+    if where == "state":
+        real_save = torch.save
+
+        def half_then_full(obj, f, *a, **k):  # some bytes reach the file, then the disk is full
+            f.write(b"PK\x03\x04partial")
+            _enospc()
+
+        monkeypatch.setattr(torch, "save", half_then_full)
+    else:
+        def writer(d):
+            d.mkdir()
+            (d / "part.safetensors").write_bytes(b"partial")
+            _enospc()
+
+        writers["lora"] = writer
+    with pytest.raises(CheckpointWriteError) as info:
+        manager.save(2, {"w": torch.zeros(3)}, writers=writers)
+    err = info.value
+    assert err.errno == errno.ENOSPC and isinstance(err, OSError)
+    message = str(err)
+    assert str(manager.path(2)) in message and "No space left on device" in message
+    assert ("state.pt" if where == "state" else "'lora'") in message
+    assert f"previous checkpoint {good} is intact" in message and "MiB free" in message
+    if where == "state":
+        monkeypatch.setattr(torch, "save", real_save)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000001", "latest"]  # no partial, no temp
+    assert manager.latest() == good and manager.verify(good) is None
+    assert torch.equal(manager.load(good)["w"], torch.arange(3.0))

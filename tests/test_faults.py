@@ -1,5 +1,8 @@
 """Faults injected on purpose: a non-finite loss skips the optimizer update (the weights stay as they were), a run
-with too many in a row stops with an error and finite checkpoints, and a transient one is survived and counted."""
+with too many in a row stops with an error and finite checkpoints, and a transient one is survived and counted; an
+exception in the loop checkpoints the last completed iteration (resuming then equals a run that never failed);
+trainer.resume finds runs and skips corrupt checkpoints; a full disk; a reward server that is down for a while.
+docs/reliability.md lists them."""
 
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ CONF = str(Path(__file__).resolve().parents[1] / "conf")
 BASE = ["model=tiny_sd3", "reward=jpeg_compressibility", "logger=none", "sampler.num_steps=4", "algo.window.size=2",
         "trainer.prompts_per_iteration=2", "trainer.group_size=2", "trainer.train_batch_size=4",
         "trainer.gradient_accumulation_steps=1", "trainer.eval_before=false", "trainer.eval_every=0",
-        "trainer.gallery_every=0", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=10", "trainer.lr=3e-2"]
+        "trainer.gallery_every=0", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=10", "trainer.lr=3e-2",
+        # the final held-out evaluation on 2 prompts, one image each, 2 steps (the default 300 images take minutes)
+        "trainer.eval_num_prompts=2", "trainer.eval_samples_per_tag=null", "sampler.eval_num_steps=2"]
 
 
 def make(tmp_path, *overrides) -> Trainer:
@@ -77,3 +82,338 @@ def test_a_transient_non_finite_update_is_skipped_counted_and_survived(tmp_path)
     assert summary["skipped_updates"] == 1 and summary["updates"] == 2 and trainer.iteration == 3
     assert all(torch.isfinite(p).all() for p in trainer.params)
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])  # the log kept going
+
+
+# ------------------------------------------------------------------------------------- crash checkpoints
+
+CRASH = ["trainer.iterations=3", "trainer.checkpoint_every=0", "trainer.inner_epochs=2"]  # 2 updates / iteration
+
+
+def _rows(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("straight")
+    trainer = make(out, *CRASH)
+    summary = trainer.fit()
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"params": weights(trainer), "history": _rows(trainer.history), "evals": trainer.evals,
+            "summary": summary, "metrics": _rows(metrics)}
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("where,done,phase", [
+    ("reward", 1, "score"),
+    ("update", 1, "update"),
+    ("log", 2, "between iterations (logging, gallery, evaluation or checkpoint)"),
+], ids=["reward", "update", "log"])
+def test_an_exception_checkpoints_the_last_iteration_and_resuming_equals_an_uninterrupted_run(tmp_path, capsys, where,
+                                                                                            done, phase, uninterrupted):
+    """The reward server goes down in iteration 1 (before any weight moved), the update fails after the iteration's
+    first optimizer step, or logging fails after iteration 2: the checkpoint is the last completed iteration's,
+    summary.json holds the error, and trainer.resume=auto in the same run dir finishes the run exactly as if nothing
+    had happened."""
+    trainer = make(tmp_path, *CRASH)
+    if where == "reward":
+        real = trainer.reward
+
+        def reward(images, prompts, metadata=None):
+            if trainer.iteration == 1:
+                raise ConnectionError("reward server down")
+            return real(images, prompts, metadata)
+
+        trainer.reward = reward
+    elif where == "update":
+        loss_fn, calls = trainer.algorithm.loss, {"n": 0}
+
+        def loss(ctx, batch, rows, steps):
+            if ctx.iteration == 1:
+                calls["n"] += 1
+                if calls["n"] == 3:  # second inner epoch: the first update of the iteration is done
+                    raise ConnectionError("reward server down")
+            return loss_fn(ctx, batch, rows, steps)
+
+        trainer.algorithm.loss = loss
+    else:
+        real_log = trainer.logger.log
+
+        def log(scalars, step):
+            if step == 2:
+                raise ConnectionError("reward server down")
+            return real_log(scalars, step)
+
+        trainer.logger.log = log
+    with pytest.raises(ConnectionError, match="reward server down") as info:
+        trainer.fit()
+    assert trainer._weights_touched == (where != "reward")
+    assert any("resume with trainer.resume=" in note for note in info.value.__notes__)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["error"] == {"type": "ConnectionError", "message": "reward server down", "iteration": done,
+                                "phase": phase}
+    assert summary["iterations"] == done and summary["checkpoint"].endswith(f"checkpoint-{done:06d}")
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    assert [s for s, _ in manager.checkpoints()] == [done] and manager.verify(manager.path(done)) is None
+    assert manager.load(manager.path(done))["history"] == trainer.history[:done]
+
+    resumed = make(tmp_path, *CRASH, "trainer.resume=auto")
+    capsys.readouterr()
+    summary = resumed.fit()
+    assert "trainer.resume=auto: resumed from" in capsys.readouterr().out
+    assert summary["iterations"] == 3 and summary["updates"] == uninterrupted["summary"]["updates"]
+    assert all(torch.equal(a, b) for a, b in zip(weights(resumed), uninterrupted["params"]))
+    assert _rows(resumed.history) == uninterrupted["history"]
+    assert resumed.evals == uninterrupted["evals"]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert _rows(metrics) == uninterrupted["metrics"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_sigterm_still_stops_cleanly_without_an_error_summary(tmp_path):
+    import os
+    import signal
+
+    trainer = make(tmp_path, "trainer.iterations=3", "trainer.checkpoint_every=0")
+    real = trainer.reward
+
+    def reward(images, prompts, metadata=None):
+        if trainer.iteration == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(images, prompts, metadata)
+
+    trainer.reward = reward
+    summary = trainer.fit()  # no exception
+    assert "abandoned" in summary["stopped"] and trainer.iteration == 1
+    assert not (tmp_path / "summary.json").exists()  # written by the CLI on a clean stop, by the trainer on errors
+    assert trainer.ckpt.load(trainer.ckpt.latest())["iteration"] == 1
+
+
+# ------------------------------------------------------------------------------------------------- resume
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_resume_auto_in_a_fresh_timestamped_run_dir_finds_the_latest_run_of_the_same_experiment(tmp_path, capsys):
+    outputs = tmp_path / "outputs"
+    first = outputs / "2026-01-01" / "10-00-00"
+    make(first, "trainer.iterations=1").fit()
+    make(outputs / "2026-01-01" / "11-00-00", "trainer.iterations=1", "trainer.seed=7").fit()  # other seed
+
+    again = make(outputs / "2026-01-02" / "09-00-00", "trainer.iterations=2", "trainer.resume=auto")
+    capsys.readouterr()
+    assert again.maybe_resume() and again.iteration == 1
+    out = capsys.readouterr().out
+    assert f"resumed from {first / 'checkpoints' / 'checkpoint-000001'} at iteration 1" in out
+    assert f"this run writes to {outputs / '2026-01-02' / '09-00-00'}" in out
+
+    fresh = make(outputs / "2026-01-02" / "10-00-00", "trainer.resume=auto", "trainer.seed=3")
+    assert not fresh.maybe_resume() and fresh.iteration == 0
+    assert "trainer.resume=auto: nothing to resume" in capsys.readouterr().out
+    # a stable run dir (hydra.run.dir / trainer.output_dir) only looks at itself
+    stable = make(tmp_path / "stable", "trainer.resume=auto")
+    assert not stable.maybe_resume()
+    assert f"no checkpoint in {tmp_path / 'stable' / 'checkpoints'}" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_resume_skips_a_corrupt_checkpoint_and_stops_when_none_is_intact(tmp_path):
+    from flowgrpo.checkpoint import CheckpointError
+
+    run = tmp_path / "run"
+    make(run, "trainer.iterations=2").fit()  # checkpoints 1 and 2
+    state = run / "checkpoints" / "checkpoint-000002" / "state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    trainer = make(tmp_path / "next", "trainer.iterations=3", f"trainer.resume={run}")
+    with pytest.warns(RuntimeWarning, match=r"checkpoint-000002/state\.pt is truncated.*next older"):
+        assert trainer.maybe_resume()
+    assert trainer.iteration == 1
+
+    lora = next((run / "checkpoints" / "checkpoint-000001" / "lora").iterdir())
+    data = bytearray(lora.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    lora.write_bytes(bytes(data))
+    trainer = make(tmp_path / "last", f"trainer.resume={run}")
+    with pytest.warns(RuntimeWarning), pytest.raises(CheckpointError, match=r"no intact checkpoint(.|\n)*lora.*corrupt"):
+        trainer.fit()  # never a silent fresh start
+    assert trainer.iteration == 0 and not (tmp_path / "last" / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------------------------------------- disk full
+
+
+def _enospc(path=None):
+    import errno
+
+    return OSError(errno.ENOSPC, "No space left on device", path)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_full_disk_at_a_checkpoint_stops_the_run_naming_the_path_and_keeps_the_previous_one(tmp_path, monkeypatch):
+    from flowgrpo.checkpoint import CheckpointWriteError
+
+    trainer = make(tmp_path, "trainer.iterations=3")
+    real_save, calls = torch.save, {"n": 0}
+
+    def save(obj, f, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 1:  # the first checkpoint fits, then the disk is full
+            raise _enospc()
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(CheckpointWriteError, match=r"checkpoint-000002.*No space left on device.*"
+                                                   r"checkpoint-000001 is intact"):
+        trainer.fit()
+    monkeypatch.setattr(torch, "save", real_save)
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    assert manager.latest() == manager.path(1) and manager.verify(manager.path(1)) is None
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["error"]["type"] == "CheckpointWriteError" and "No space left" in summary["error"]["message"]
+    assert summary["checkpoint"] is None and summary["resume_from"] == str(manager.path(1))
+    assert "crash checkpoint could not be written" in summary["note"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_gallery_and_metrics_write_failures_are_warnings_and_the_run_goes_on(tmp_path, monkeypatch):
+    import builtins
+
+    import flowgrpo.trainer as trainer_module
+
+    trainer = make(tmp_path, "trainer.iterations=3", "trainer.checkpoint_every=0", "trainer.gallery_every=1")
+    real_log, failed = trainer.gallery.log, {"gallery": 0, "metrics": 0}
+
+    def gallery_log(step, *args, **kwargs):
+        if step == 1:
+            failed["gallery"] += 1
+            raise _enospc(str(tmp_path / "gallery" / "train" / "step-000001.png"))
+        return real_log(step, *args, **kwargs)
+
+    def full_open(path, mode="r", *args, **kwargs):
+        if "a" in mode and failed["metrics"] == 0:  # the first append: half a line, then the disk is full
+            failed["metrics"] += 1
+            with builtins.open(path, mode) as f:
+                f.write('{"iteration": 1, "rew')
+            raise _enospc()
+        return builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(trainer.gallery, "log", gallery_log)
+    monkeypatch.setattr(trainer_module, "open", full_open, raising=False)
+    with pytest.warns(RuntimeWarning) as record:
+        summary = trainer.fit()
+    messages = [str(w.message) for w in record if issubclass(w.category, RuntimeWarning)]
+    assert any("train gallery of iteration 1" in m and "step-000001.png" in m and "No space left on device" in m
+               and "the run goes on" in m for m in messages), messages
+    assert any("metrics.jsonl" in m and "No space left on device" in m for m in messages), messages
+    assert failed == {"gallery": 1, "metrics": 1} and summary["iterations"] == 3
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]  # healed
+    assert [r["iteration"] for r in rows if "reward/mean" in r] == [1, 2, 3]
+    assert sorted(p.name for p in (tmp_path / "gallery" / "train").glob("*.png")) == ["step-000002.png",
+                                                                                   "step-000003.png"]
+
+
+# ------------------------------------------------------------------------------------------ remote reward
+
+
+class _FlakyServer:
+    """A local reward server that answers ``code`` while ``down()`` is true, then scores every image 1.0."""
+
+    def __init__(self, down, code=503):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        server = self
+        self.calls = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                n = len(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompts"])
+                server.calls += 1
+                body, status = json.dumps({"scores": [1.0] * n}).encode(), 200
+                if down():
+                    body, status = b'{"error": "loading the model"}', code
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)  # loopback only
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_remote_reward_retries_an_outage_logging_each_retry(caplog):
+    import logging
+    import time
+
+    from rewards.remote import RemoteReward
+
+    failures = {"left": 3}
+
+    def down():
+        failures["left"] -= 1
+        return failures["left"] >= 0
+
+    server = _FlakyServer(down)
+    try:
+        reward = RemoteReward(server.url, retries=1, backoff=0.05, retry_window=5.0)
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="rewards.remote"):
+            out = reward(torch.rand(2, 3, 8, 8), ["a", "b"])
+        assert out.scores.tolist() == [1.0, 1.0] and server.calls == 4 and time.monotonic() - start < 3
+    finally:
+        server.close()
+    retries = [r.getMessage() for r in caplog.records if r.name == "rewards.remote"]
+    assert len(retries) == 3
+    for attempt, (message, wait) in enumerate(zip(retries, ("0.1s", "0.1s", "0.2s")), start=1):
+        assert f"attempt {attempt} failed (HTTP 503 Service Unavailable" in message and "loading the model" in message
+        assert f"retrying in {wait}" in message and server.url in message
+
+
+@pytest.mark.parametrize("down_for,survives", [(3.0, True), (100.0, True), (200.0, False)])
+def test_remote_reward_defaults_ride_out_a_server_down_for_minutes(monkeypatch, down_for, survives):
+    """conf/reward/remote.yaml's retries / backoff with the default window, on a virtual clock: a server answering 503
+    for 3 s or for 100 s does not stop the run; one down for longer than the window does, naming the URL."""
+    import types
+
+    import rewards.remote as remote
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(remote, "time", types.SimpleNamespace(monotonic=lambda: clock["now"],
+                                                              sleep=lambda s: clock.__setitem__("now", clock["now"] + s)))
+    server = _FlakyServer(lambda: clock["now"] < down_for)
+    try:
+        reward = remote.RemoteReward(server.url, retries=2, backoff=1.0)  # the yaml's values
+        assert reward.retry_window >= 60
+        if survives:
+            assert reward(torch.rand(1, 3, 8, 8), ["a"]).scores.tolist() == [1.0]
+            assert down_for <= clock["now"] <= down_for + reward.max_backoff
+        else:
+            with pytest.raises(remote.RemoteRewardError, match=r"/score: HTTP 503.*gave up after \d+ attempts over 120"):
+                reward(torch.rand(1, 3, 8, 8), ["a"])
+    finally:
+        server.close()
+
+
+def test_remote_reward_gives_up_after_its_window_naming_the_url():
+    import socket
+    import time
+
+    from rewards.remote import RemoteReward, RemoteRewardError
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    reward = RemoteReward(f"http://127.0.0.1:{port}/score", timeout=1, retries=1, backoff=0.05, retry_window=0.4)
+    start = time.monotonic()
+    with pytest.raises(RemoteRewardError, match=rf"127\.0\.0\.1:{port}/score: no answer.*gave up after \d+ attempts"):
+        reward(torch.rand(1, 3, 8, 8), ["a"])
+    assert 0.35 < time.monotonic() - start < 3
