@@ -339,6 +339,49 @@ def sample_pad_counts(n: int, device) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- state
+def save_state(state: dict, ckpt_dir: Path) -> Path:
+    """``torch.save`` to ``ckpt_dir/last.pt`` atomically (write, fsync, rename): a crash keeps the previous one."""
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path, tmp = ckpt_dir / "last.pt", ckpt_dir / "last.pt.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def ema_pipeline(pipe, trained_modules: tuple[str, ...], ema: list[torch.Tensor]):
+    """A copy of ``pipe`` whose ``trained_modules`` hold the EMA weights, every module in eval mode, on CPU."""
+    import copy
+
+    pipe = copy.deepcopy(pipe)
+    trained = [p for name in trained_modules for p in getattr(pipe, name).parameters()]
+    with torch.no_grad():
+        for p, e in zip(trained, ema):
+            p.copy_(e)
+    pipe.to("cpu")
+    for m in pipe.components.values():
+        if isinstance(m, torch.nn.Module):
+            m.eval()
+    return pipe
+
+
+def save_pipeline(pipe, out: Path, summary: dict) -> None:
+    """``save_pretrained`` into ``out`` with ``pretrain_summary.json``, replacing any previous export only once the
+    new one is complete (written beside it, then renamed)."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    pipe.save_pretrained(tmp)
+    (tmp / "pretrain_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
+    print(f"[pretrain] saved {out} at step {summary.get('step', '?')} ({size:.1f} MB)", flush=True)
+
+
 class Trainer:
     def __init__(self, args):
         self.args = args
@@ -403,15 +446,7 @@ class Trainer:
         random.setstate(state["rng"]["python"])
 
     def save_checkpoint(self) -> Path:
-        ckpt_dir = Path(self.args.ckpt_dir)
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        path, tmp = ckpt_dir / "last.pt", ckpt_dir / "last.pt.tmp"
-        with open(tmp, "wb") as f:
-            torch.save(self.state_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic: a crash leaves the previous checkpoint intact
-        return path
+        return save_state(self.state_dict(), Path(self.args.ckpt_dir))
 
     # -- steps
     def vae_step(self) -> dict:
@@ -512,33 +547,14 @@ class Trainer:
 
     def final_pipeline(self) -> StableDiffusion3Pipeline:
         """The pipeline with EMA weights, in eval mode, on CPU (the training weights are left untouched)."""
-        import copy
-
-        pipe = copy.deepcopy(self.pipe)
-        trained = [p for m in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2) for p in m.parameters()]
-        with torch.no_grad():
-            for p, e in zip(trained, self.ema):
-                p.copy_(e)
-        pipe.to("cpu")
-        for m in pipe.components.values():
-            if isinstance(m, torch.nn.Module):
-                m.eval()
-        return pipe
+        return ema_pipeline(self.pipe, ("transformer", "text_encoder", "text_encoder_2"), self.ema)
 
     def export(self) -> None:
-        out = Path(self.args.out)
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
         pipe = self.final_pipeline()
         text_encoder_3, tokenizer_3 = zero_t5(pipe.transformer.config.joint_attention_dim)
         pipe.register_modules(text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3)  # plain from_pretrained loads it
-        pipe.save_pretrained(tmp)
-        summary = {"script": "scripts/pretrain_tiny.py", "args": vars(self.args), "last_log": self.log[-5:]}
-        (tmp / "pretrain_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-        size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
-        print(f"[pretrain] saved {out} ({size:.1f} MB)", flush=True)
+        summary = {"script": "scripts/pretrain_tiny.py", "step": self.step, "args": vars(self.args), "last_log": self.log[-5:]}
+        save_pipeline(pipe, Path(self.args.out), summary)
 
 
 def count_params(module: torch.nn.Module) -> int:

@@ -53,12 +53,9 @@ EMA, every RNG state and the log; a resumed run ends bit-identical to an uninter
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
-import os
 import random
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -71,7 +68,7 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pretrain_tiny import lr_at, sample_sigmas  # noqa: E402  (the image asset's schedules, shared)
+from pretrain_tiny import ema_pipeline, lr_at, sample_sigmas, save_pipeline, save_state  # noqa: E402  (shared with the image asset)
 
 from flowgrpo.world import (  # noqa: E402
     CLASSES,
@@ -317,14 +314,7 @@ class Trainer:
         random.setstate(state["rng"]["python"])
 
     def save_checkpoint(self) -> None:
-        ckpt_dir = Path(self.args.ckpt_dir)
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        path, tmp = ckpt_dir / "last.pt", ckpt_dir / "last.pt.tmp"
-        with open(tmp, "wb") as f:
-            torch.save(self.state_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        save_state(self.state_dict(), Path(self.args.ckpt_dir))
 
     def latents(self, x: torch.Tensor, sample: bool = True) -> torch.Tensor:
         """Normalised latents as the pipeline uses them: (z - latents_mean) / latents_std, per channel."""
@@ -428,28 +418,11 @@ class Trainer:
 
     def final_pipeline(self) -> WanPipeline:
         """The pipeline with the EMA weights, eval mode, on CPU (training weights untouched)."""
-        pipe = copy.deepcopy(self.pipe)
-        trained = [p for m in (pipe.transformer, pipe.text_encoder) for p in m.parameters()]
-        with torch.no_grad():
-            for p, e in zip(trained, self.ema):
-                p.copy_(e)
-        pipe.to("cpu")
-        for m in pipe.components.values():
-            if isinstance(m, torch.nn.Module):
-                m.eval()
-        return pipe
+        return ema_pipeline(self.pipe, ("transformer", "text_encoder"), self.ema)
 
     def export(self) -> None:
-        out = Path(self.args.out)
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.final_pipeline().save_pretrained(tmp)
         summary = {"script": "scripts/pretrain_tiny_wan.py", "step": self.step, "args": vars(self.args), "last_log": self.log[-5:]}
-        (tmp / "pretrain_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-        size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
-        print(f"[pretrain] saved {out} at step {self.step} ({size:.1f} MB)", flush=True)
+        save_pipeline(self.final_pipeline(), Path(self.args.out), summary)
 
 
 def parse_args(argv=None):

@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .prompts import COUNT_WORDS
+from .prompts import COUNT_WORDS, _a, _plural
 from .render import CLASSES, PALETTE, Shape, draw
 
 __all__ = [
@@ -79,14 +79,6 @@ OPPOSITE = {"left": "right", "right": "left", "up": "down", "down": "up"}
 COUNTS: tuple[int, ...] = (2, 3, 4)
 TWO_OBJECT_PROMPTS = 120  # seeded subset of the 6 x 30 x 16 = 2880 two-object combinations
 MOTION_PERTURBATIONS: tuple[str, ...] = ("direction", "color", "class", "count", "still", "moving", "speed")
-
-
-def _a(word: str) -> str:
-    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
-
-
-def _plural(name: str) -> str:
-    return f"{name}es" if name.endswith("s") else f"{name}s"
 
 
 def _motion_words(clause: dict) -> str:
