@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -37,6 +39,13 @@ __all__ = [
     "BatchPlan",
     "batch_plan",
     "model_kwargs",
+    "reward_modality",
+    "check_reward_model",
+    "check_prompt_metadata",
+    "checkpoint_bytes",
+    "check_output_dir",
+    "Preflight",
+    "preflight",
 ]
 
 #: The repository (or source tree) root: relative paths in configs that do not exist under the working
@@ -203,6 +212,7 @@ class PromptSet:
     prompts: list[str]
     metadata: list[dict] | None
     source: str
+    lines: list[int] | None = None  # the file line of each prompt (error messages), when read from a file
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -214,11 +224,13 @@ class PromptSet:
         """The prompts at ``index`` (a sequence of ints), metadata kept aligned."""
         index = [int(i) for i in index]
         meta = None if self.metadata is None else [self.metadata[i] for i in index]
-        return PromptSet([self.prompts[i] for i in index], meta, self.source)
+        lines = None if self.lines is None else [self.lines[i] for i in index]
+        return PromptSet([self.prompts[i] for i in index], meta, self.source, lines)
 
 
 def _read_prompts(path: Path, fmt: str, prompt_key: str, key_name: str) -> PromptSet:
     prompts: list[str] = []
+    lines: list[int] = []
     metadata: list[dict] | None = [] if fmt == "jsonl" else None
     with open(path, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
@@ -226,6 +238,7 @@ def _read_prompts(path: Path, fmt: str, prompt_key: str, key_name: str) -> Promp
             if fmt == "text":
                 if line and not line.startswith("#"):
                     prompts.append(line)
+                    lines.append(lineno)
                 continue
             if not line:
                 continue
@@ -237,10 +250,11 @@ def _read_prompts(path: Path, fmt: str, prompt_key: str, key_name: str) -> Promp
             if not isinstance(record, dict) or prompt_key not in record:
                 raise ValueError(f"{path}:{lineno}: no {prompt_key!r} field (data.prompt_key)")
             prompts.append(str(record[prompt_key]))
+            lines.append(lineno)
             metadata.append(record)
     if not prompts:
         raise ValueError(f"{key_name}={str(path)!r} holds no prompts")
-    return PromptSet(prompts, metadata, str(path))
+    return PromptSet(prompts, metadata, str(path), lines)
 
 
 def prompt_pools(prompts: PromptSet, sampling: str) -> list[list[int]]:
@@ -314,6 +328,151 @@ def build_prompts(data: DictConfig, split: str = "train") -> PromptSet | None:
     if split == "train" and data.max_prompts is not None:
         prompts = prompts.subset(range(min(data.max_prompts, len(prompts))))
     return prompts
+
+
+# ----------------------------------------------------------------------------------------- preflight
+# Checks that need no model weights and no rollout: a wrong config, data file or output directory fails here,
+# at set-up, instead of at the iteration that first meets it.
+
+
+def _model_modality(model: DictConfig) -> str:
+    return "video" if model.family == "wan" or model.num_frames is not None else "image"
+
+
+def reward_modality(reward: DictConfig) -> str:
+    """What a ``reward`` node scores, from the config alone (nothing is built): ``"video"``, ``"image"`` or
+    ``"any"``.
+
+    The registered class's ``modality`` attribute when it has one; else ``video`` for ``video_*`` names, ``any``
+    for ``remote`` (its server decides) and ``image`` for the rest. ``multi`` has the modality its components
+    share (``"mixed"`` when some score clips and others images).
+    """
+    import rewards
+    from rewards.base import _REGISTRY
+
+    name = str(reward.name)
+    if name == "multi":
+        parts = {reward_modality(OmegaConf.create({"name": str(spec["name"])}))
+                 for spec in ((reward.get("kwargs") or {}).get("components") or []) if "name" in spec} - {"any"}
+        return "mixed" if len(parts) > 1 else (parts.pop() if parts else "any")
+    rewards.available()  # registers the built-in rewards
+    declared = getattr(_REGISTRY.get(name), "modality", None)
+    if declared in ("video", "image", "any"):
+        return declared
+    if name.startswith("video_"):
+        return "video"
+    return "any" if name == "remote" else "image"
+
+
+def check_reward_model(reward: DictConfig, model: DictConfig) -> None:
+    """Raise ``ValueError`` naming ``reward=`` and ``model=`` when the reward cannot score what the model makes
+    (a video reward on an image model, an image reward on a video model). Config only: call before loading."""
+    want, have = reward_modality(reward), _model_modality(model)
+    if want in ("any", have):
+        return
+    import rewards
+
+    fits = [n for n in rewards.available()
+            if n != "multi" and reward_modality(OmegaConf.create({"name": n})) in (have, "any")]
+    what = ("mixes video and image rewards in reward.kwargs.components" if want == "mixed"
+            else f"scores {want}s")
+    raise ValueError(
+        f"reward={reward.name} {what}, but model={model.family} ({model.pretrained}) generates {have}s; "
+        f"choose a reward that scores {have}s ({', '.join(fits)}) or "
+        f"{'an image' if want == 'image' else 'a video' if want == 'video' else 'a matching'} model"
+    )
+
+
+def _metadata_checks(reward) -> list[tuple[str, Any]]:
+    """``(name, check_metadata)`` of a built reward and, for ``multi``, of each of its components."""
+    checks = []
+    if callable(getattr(reward, "check_metadata", None)):
+        checks.append((type(reward).__name__, reward.check_metadata))
+    for prefix, part in (getattr(reward, "rewards", None) or {}).items():
+        if callable(getattr(part, "check_metadata", None)):
+            checks.append((prefix, part.check_metadata))
+    return checks
+
+
+def check_prompt_metadata(prompts: PromptSet, reward, reward_name: str, key: str = "data.train_file") -> None:
+    """Check every metadata record of ``prompts`` against the reward's schema (its ``check_metadata``).
+
+    Raises:
+        ValueError: ``FILE:LINE: <what is wrong>`` for the first bad record, or naming ``reward=`` and ``key``
+            when the reward needs metadata and ``prompts`` is a plain text list.
+    """
+    checks = _metadata_checks(reward)
+    if not checks:
+        return
+    if prompts.metadata is None:
+        raise ValueError(
+            f"reward={reward_name} needs a metadata record per prompt, but {key}={prompts.source} is a plain prompt "
+            f"list (data.format=text); use a GenEval-style JSONL file with data.format=jsonl"
+        )
+    for i, record in enumerate(prompts.metadata):
+        for _, check in checks:
+            try:
+                check(record)
+            except ValueError as err:
+                line = prompts.lines[i] if prompts.lines is not None else None
+                where = f"{prompts.source}:{line}" if line is not None else f"{prompts.source} (record {i})"
+                raise ValueError(f"{where}: {err} ({key}, reward={reward_name})") from None
+
+
+#: Free space required in the output directory before the trainable parameter count is known.
+MIN_FREE_BYTES = 256 * 2**20
+
+
+def checkpoint_bytes(num_trainable: int, ema: bool = False) -> int:
+    """A generous estimate of one checkpoint's size: fp32 trainable weights, AdamW's two moments, the EMA copy
+    when enabled, plus 25% and 16 MiB for the rest of the state."""
+    per_param = 4 * (3 + int(bool(ema)))
+    return int(num_trainable * per_param * 1.25) + 16 * 2**20
+
+
+def check_output_dir(path: str | os.PathLike, need_bytes: int = MIN_FREE_BYTES) -> Path:
+    """Create ``path`` if needed, prove it writable with a probe file, and check it has ``need_bytes`` free.
+
+    Raises:
+        OSError: naming the directory, when it cannot be created or written, or has too little free space.
+    """
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-probe-"):
+            pass
+    except OSError as err:
+        raise OSError(f"output directory {str(out)!r} is not writable ({type(err).__name__}: {err}); set "
+                      f"trainer.output_dir to a writable directory") from err
+    free = shutil.disk_usage(out).free
+    if free < need_bytes:
+        raise OSError(f"output directory {str(out)!r} has {free / 2**20:.0f} MiB free, but one checkpoint needs "
+                      f"about {need_bytes / 2**20:.0f} MiB; free some space or set trainer.output_dir elsewhere")
+    return out
+
+
+@dataclass
+class Preflight:
+    """What :func:`preflight` built on the way: the reward and the prompt sets, checked against each other."""
+
+    reward: Any
+    train_set: PromptSet
+    test_set: PromptSet | None
+
+
+def preflight(cfg: DictConfig, output_dir: str | os.PathLike) -> Preflight:
+    """Every check that needs no model: reward ↔ model modality, output directory (writable, free space),
+    prompt files (present, non-empty, parseable) and their metadata against the reward's schema (file:line).
+    Builds the reward and the prompt sets, which the caller keeps."""
+    check_reward_model(cfg.reward, cfg.model)
+    check_output_dir(output_dir)
+    reward = build_reward(cfg.reward)
+    train_set = build_prompts(cfg.data, "train")
+    test_set = build_prompts(cfg.data, "test")
+    for prompts, key in ((train_set, "data.train_file"), (test_set, "data.test_file")):
+        if prompts is not None:
+            check_prompt_metadata(prompts, reward, str(cfg.reward.name), key)
+    return Preflight(reward, train_set, test_set)
 
 
 # -------------------------------------------------------------------------------------------- logger

@@ -37,7 +37,8 @@ from samplers import rollout
 
 from .advantages import RewardAggregator, advantage_stats
 from .algorithms import Batch, UpdateContext, build_algorithm
-from .build import batch_plan, build_adapter, build_prompts, build_reward, build_sampler, model_kwargs, prompt_pools
+from .build import (batch_plan, build_adapter, build_sampler, check_output_dir, checkpoint_bytes, model_kwargs, preflight,
+                    prompt_pools)
 from .checkpoint import (CheckpointManager, GracefulStop, atomic_write_text, capture_rng_state, find_runs,
                          restore_rng_state, save_lora_weights)
 from .evaluation import EvalSamples, held_out_jobs, score_jobs
@@ -129,6 +130,8 @@ class Trainer:
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
         batch_plan(cfg, self.world)  # divisibility, before the model loads; K comes from the algorithm below
         self.device = self.acc.device
+        # Reward ↔ model, output directory, prompt files and their metadata: checked before any weights load.
+        checked = preflight(cfg, self.out)
         # Same global RNG on every process and in every run: LoRA initialisation draws from it.
         set_seed(t.seed)
         if torch.cuda.is_available() and t.allow_tf32:
@@ -143,6 +146,7 @@ class Trainer:
         self.unwrapped = self.adapter.pipe.transformer
         self.params = prepare_trainable(self.unwrapped, cfg.model)
         self.ref_copy = frozen_reference(self.unwrapped) if cfg.model.finetune == "full" and cfg.algo.kl_beta > 0 else None
+        check_output_dir(self.out, checkpoint_bytes(sum(p.numel() for p in self.params), t.ema.enabled))
 
         # Sampler schedules and the algorithm (it decides the trained steps per sample, K).
         self.sampler = build_sampler(cfg.sampler, adapter=self.adapter, model=cfg.model)
@@ -161,7 +165,7 @@ class Trainer:
         self.ema = EMA(self.params, t.ema.decay) if t.ema.enabled else None
 
         # Reward, prompts.
-        self.reward = build_reward(cfg.reward)
+        self.reward = checked.reward
         self.aggregator = None
         if cfg.reward.aggregate.name != "sum":
             if not hasattr(self.reward, "weights"):
@@ -169,8 +173,7 @@ class Trainer:
                                  f"(reward=multi); {cfg.reward.name!r} has no per-component weights")
             self.aggregator = RewardAggregator(cfg.reward.aggregate, self.reward.weights,
                                                global_std=cfg.algo.global_std, clip=cfg.algo.adv_clip)
-        self.train_set = build_prompts(cfg.data, "train")
-        self.test_set = build_prompts(cfg.data, "test")
+        self.train_set, self.test_set = checked.train_set, checked.test_set
         self.prompt_pools = prompt_pools(self.train_set, cfg.data.sampling)
 
         # Bookkeeping.

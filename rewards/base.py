@@ -3,6 +3,11 @@
 A reward is a callable ``reward(images, prompts, metadata=None) -> RewardOutput``. ``images`` is a float
 tensor ``[B, 3, H, W]`` in [0, 1], a uint8 tensor, or a list of PIL images; videos are ``[B, T, 3, H, W]``.
 
+A reward class may declare what it scores as a class attribute ``modality = "video" | "image" | "any"``; a
+trainer refuses a video reward with an image model (and the reverse) before loading weights
+(:func:`flowgrpo.build.check_reward_model`, which reads ``video_*`` names as video and the rest as image when the
+attribute is absent).
+
 Bad samples, the same way in every reward:
 
 - **NaN / inf pixels raise** ``ValueError`` naming the reward and the batch indices (a diverged model decodes to

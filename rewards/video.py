@@ -169,6 +169,8 @@ class VideoClipScore:
         batch_size: frames per CLIP forward.
     """
 
+    modality = "video"  # scores clips [B, T, 3, H, W]: a trainer refuses it with an image model
+
     def __init__(self, clip_path: str = DEFAULT_CLIP, *, num_frames: int | None = 8, device=None,
                  torch_dtype: str | None = None, batch_size: int = 64):
         self.clip_path, self.num_frames, self.batch_size = clip_path, num_frames, int(batch_size)
@@ -210,6 +212,8 @@ class VideoConsistency:
         image_size: dino's shorter-side resize (VBench: 224).
         device, torch_dtype, batch_size: as :class:`VideoClipScore`.
     """
+
+    modality = "video"  # scores clips [B, T, 3, H, W]: a trainer refuses it with an image model
 
     def __init__(self, backbone: str = "dino", model_path: str | None = None, *, num_frames: int | None = None,
                  image_size: int = 224, device=None, torch_dtype: str | None = None, batch_size: int = 64):
@@ -285,6 +289,8 @@ class VideoFlicker:
     A degenerate clip (every frame flat or noise) scores 0, not the 1.0 a frozen flat clip would measure.
     """
 
+    modality = "video"  # scores clips [B, T, 3, H, W]: a trainer refuses it with an image model
+
     def __call__(self, images, prompts=None, metadata=None) -> RewardOutput:
         video = to_video(images, reward="video_flicker")
         if video.shape[1] < 2:
@@ -317,6 +323,8 @@ class VideoMotion:
         method: ``"flow"`` or ``"frame_diff"``. num_frames: frames used per clip, evenly spaced (None: all).
         blur: box-filter size for ``frame_diff`` (1: none).
     """
+
+    modality = "video"  # scores clips [B, T, 3, H, W]: a trainer refuses it with an image model
 
     def __init__(self, method: str = "flow", *, num_frames: int | None = None, blur: int = 3):
         if method not in ("flow", "frame_diff"):

@@ -106,6 +106,12 @@ class GenEval:
         self.partial_credit = partial_credit
         self.score = score
 
+    def check_metadata(self, metadata: dict) -> None:
+        """Raise ``ValueError`` naming the field when one metadata record does not fit this reward's schema
+        (tag, clauses, and the detector's classes and colours): lets a trainer check a prompt file up front."""
+        validate_metadata(metadata, getattr(self.detector, "classes", None), getattr(self.detector, "colors", None),
+                          where="record")
+
     def judge(self, images, metadata: Sequence[dict] | None) -> list[Verdict]:
         """Per-image verdicts (detections, reasons) -- what ``__call__`` condenses into tensors."""
         arrays = to_uint8_images(images, reward="geneval")

@@ -366,6 +366,13 @@ class VideoGenEval:
 
     # ------------------------------------------------------------------------------------------------ judging
 
+    def check_metadata(self, metadata: dict) -> None:
+        """Raise ``ValueError`` naming the field when one metadata record does not fit this reward's schema
+        (tag, clauses, motion words, and the detector's classes and colours): lets a trainer check a prompt file
+        up front."""
+        validate_video_metadata(metadata, getattr(self.detector, "classes", None),
+                                getattr(self.detector, "colors", None), where="record")
+
     def judge(self, videos, metadata: Sequence[dict] | None) -> list[VideoVerdict]:
         """Per-clip verdicts (checks, credits, reasons, tracks) -- what ``__call__`` condenses into tensors."""
         u8 = to_video(videos, reward="video_geneval")

@@ -1,0 +1,110 @@
+"""Validate before compute: a bad prompt file or metadata record, a reward that cannot score what the model makes,
+and an output directory that cannot take a checkpoint all fail while the trainer is set up -- before the model
+loads and before any rollout -- with the file and line, ``reward=`` / ``model=``, or the directory in the message.
+docs/reliability.md lists them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import flowgrpo.config  # noqa: F401  (registers the schemas)
+import flowgrpo.trainer as trainer_module
+from flowgrpo.build import check_output_dir, check_reward_model, reward_modality
+from flowgrpo.trainer import Trainer
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+def compose_cfg(*overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("train", overrides=["debug=default", *overrides])
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Record (and refuse) any attempt to load the model: the checks under test must fail before it."""
+    calls = []
+
+    def build_adapter(*args, **kwargs):
+        calls.append(args)
+        raise AssertionError("the model was loaded before the set-up checks failed")
+
+    monkeypatch.setattr(trainer_module, "build_adapter", build_adapter)
+    return calls
+
+
+def _jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join((json.dumps(r) if not isinstance(r, str) else r) + "\n" for r in records))
+    return path
+
+
+def test_a_bad_metadata_line_fails_at_set_up_naming_file_and_line(tmp_path, no_model):
+    good = {"tag": "single_object", "include": [{"class": "circle", "count": 1}], "prompt": "a photo of a circle"}
+    bad = {"tag": "single_object", "include": [{"class": "cat", "count": 1}], "prompt": "a photo of a cat"}
+    path = _jsonl(tmp_path / "prompts.jsonl", [good, "", good, bad, good])  # the bad record is on line 4
+    cfg = compose_cfg("data=geneval_shapes", "reward=geneval", f"data.train_file={path}",
+                      f"trainer.output_dir={tmp_path / 'run'}")
+    with pytest.raises(ValueError, match=rf"{path}:4: record\.include\[0\]\.class: .*'cat'"):
+        Trainer(cfg, tmp_path / "run")
+    assert no_model == []
+
+
+def test_a_metadata_reward_on_a_plain_prompt_list_fails_at_set_up(tmp_path, no_model):
+    path = tmp_path / "prompts.txt"
+    path.write_text("a photo of a circle\n")
+    cfg = compose_cfg("data=text_prompts", "reward=geneval", f"data.train_file={path}")
+    with pytest.raises(ValueError, match=r"reward=geneval needs a metadata record per prompt.*data\.format=text"):
+        Trainer(cfg, tmp_path / "run")
+    assert no_model == []
+
+
+def test_an_unparseable_or_empty_prompt_file_fails_at_set_up(tmp_path, no_model):
+    path = _jsonl(tmp_path / "prompts.jsonl", ['{"prompt": "a circle", "tag": "single_object"', ])
+    cfg = compose_cfg("data=geneval_shapes", f"data.train_file={path}")
+    with pytest.raises(ValueError, match=rf"{path}:1: not JSON"):
+        Trainer(cfg, tmp_path / "run")
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="holds no prompts"):
+        Trainer(cfg, tmp_path / "run")
+    assert no_model == []
+
+
+@pytest.mark.parametrize("reward,model", [("video_flicker", "tiny_sd3"), ("video_geneval", "tiny_sd3"),
+                                          ("jpeg_compressibility", "tiny_wan"), ("geneval", "tiny_wan")])
+def test_a_reward_for_the_other_modality_fails_before_the_model_loads(tmp_path, no_model, reward, model):
+    cfg = compose_cfg(f"model={model}", f"reward={reward}")
+    with pytest.raises(ValueError, match=rf"reward={reward} .*model=wan|reward={reward} .*model=sd3"):
+        Trainer(cfg, tmp_path / "run")
+    assert no_model == []
+
+
+def test_reward_modalities_from_the_config_alone():
+    cfg = compose_cfg()
+    for name, want in [("video_clip", "video"), ("video_consistency", "video"), ("video_motion", "video"),
+                       ("video_geneval", "video"), ("geneval", "image"), ("pickscore", "image"), ("remote", "any")]:
+        assert reward_modality(compose_cfg(f"reward={name}").reward) == want, name
+    check_reward_model(compose_cfg("reward=multi").reward, cfg.model)  # geneval + jpeg on an image model: fine
+
+
+def test_an_unwritable_output_dir_fails_at_set_up_naming_it(tmp_path, no_model):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = blocker / "run"  # under a regular file: cannot be created, whoever runs the test
+    cfg = compose_cfg(f"trainer.output_dir={out}")
+    with pytest.raises(OSError, match=rf"output directory '{out}' is not writable"):
+        Trainer(cfg, out)
+    assert no_model == []
+
+
+def test_too_little_free_space_for_a_checkpoint_fails_naming_the_dir(tmp_path, monkeypatch):
+    import collections
+    import flowgrpo.build as build
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(build.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 2**20, 2**20))
+    with pytest.raises(OSError, match=rf"output directory '{tmp_path}' has 1 MiB free"):
+        check_output_dir(tmp_path)
