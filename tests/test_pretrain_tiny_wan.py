@@ -49,13 +49,14 @@ def test_collapsed_padding_equals_pipeline_forward():
 def _args(tmp_path, *extra):
     return ["--size", "toy", "--vae-steps", "2", "--flow-steps", "3", "--vae-batch", "2", "--batch", "2",
             "--stat-batches", "1", "--warmup", "1", "--log-every", "1", "--ckpt-every", "1", "--threads", "1",
-            "--num-frames", "5", "--vae-frames", "5", "--device", "cpu", "--out", str(tmp_path / "pipe"), "--ckpt-dir", str(tmp_path / "ckpt"), *extra]  # fmt: skip
+            "--num-frames", "5", "--vae-frames", "5", "--bank-size", "4", "--bank-refresh", "1", "--device", "cpu", "--out", str(tmp_path / "pipe"), "--ckpt-dir", str(tmp_path / "ckpt"), *extra]  # fmt: skip
 
 
-def test_resume_is_exact_and_export_loads_with_plain_from_pretrained(tmp_path):
-    straight = pw.main(_args(tmp_path / "a"))
-    pw.main(_args(tmp_path / "b", "--stop-at", "3"))
-    resumed = pw.main(_args(tmp_path / "b", "--resume"))
+@pytest.mark.parametrize("bank", ["4", "0"])
+def test_resume_is_exact_and_export_loads_with_plain_from_pretrained(tmp_path, bank):
+    straight = pw.main(_args(tmp_path / "a", "--bank-size", bank))
+    pw.main(_args(tmp_path / "b", "--bank-size", bank, "--stop-at", "3"))
+    resumed = pw.main(_args(tmp_path / "b", "--bank-size", bank, "--resume"))
     for p, q in zip(straight.flow_params, resumed.flow_params):
         assert torch.equal(p, q)
     assert straight.vae.config.latents_std == resumed.vae.config.latents_std != [1.0] * 16
