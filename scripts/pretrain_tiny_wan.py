@@ -414,6 +414,29 @@ class Trainer:
             torch._foreach_lerp_(self.ema, [p.detach() for p in self.flow_params], 1.0 - min(args.ema, (1 + k) / (10 + k)))
         return {"loss": loss.item(), "grad": grad.item()}
 
+    @torch.no_grad()
+    def probe_vae(self, n: int) -> dict:
+        """How much of the world survives the VAE: video GenEval of the reconstructions of ``n`` rendered clips of
+        held-out prompts (the ceiling of any pipeline built on it), next to the rendered clips' own score."""
+        import rewards
+
+        rng = np.random.default_rng(12345)
+        test = [json.loads(line) for line in TEST_PROMPTS.read_text().splitlines() if line.strip()]
+        metas = [test[int(i)] for i in rng.choice(len(test), min(n, len(test)), replace=False)]
+        clips = torch.from_numpy(np.stack([draw_clip(sample_tracks(m, rng, num_frames=self.args.num_frames),
+                                                     num_frames=self.args.num_frames) for m in metas]))  # fmt: skip
+        x = clips.permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0
+        self.vae.eval()
+        recon = torch.cat([self.vae.decode(self.vae.encode(x[i : i + 8].to(self.device)).latent_dist.mean).sample.cpu()
+                           for i in range(0, len(x), 8)])  # fmt: skip
+        judge = rewards.load("video_geneval", score="strict")
+        ours = judge(((recon + 1) / 2).permute(0, 2, 1, 3, 4), metadata=metas)
+        truth = judge(clips.permute(0, 1, 4, 2, 3).float() / 255, metadata=metas)
+        checks = {k: np.asarray(v, dtype=float) for k, v in ours.components.items() if k.startswith("check/")}
+        checks = {k: round(float(np.nanmean(v)), 3) for k, v in checks.items() if np.isfinite(v).any()}  # applicable ones
+        return {"step": self.step, "clips": len(metas), "reconstruction_strict": round(float(ours.scores.mean()), 3),
+                "rendered_strict": round(float(truth.scores.mean()), 3), **checks}  # fmt: skip
+
     def run(self) -> None:
         args = self.args
         window, t0, s0 = [], time.time(), self.step
@@ -485,6 +508,8 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--stop-at", type=int, default=None, help="checkpoint and exit at this step")
     p.add_argument("--export-only", action="store_true", help="save_pretrained the checkpoint's EMA pipeline, no training")
+    p.add_argument("--probe-vae", type=int, default=0, metavar="N",
+                   help="no training: video GenEval (strict) of the checkpoint VAE's reconstructions of N held-out clips")
     p.add_argument("--resume", action="store_true", help="continue from <ckpt-dir>/last.pt if it exists")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
@@ -500,9 +525,9 @@ def main(argv=None) -> Trainer:
     torch.set_num_threads(args.threads)
     trainer = Trainer(args)
     ckpt = Path(args.ckpt_dir) / "last.pt"
-    if args.export_only and not ckpt.exists():
+    if (args.export_only or args.probe_vae) and not ckpt.exists():
         raise SystemExit(f"--export-only needs a checkpoint: {ckpt} does not exist (set --ckpt-dir)")
-    if (args.resume or args.export_only) and ckpt.exists():
+    if (args.resume or args.export_only or args.probe_vae) and ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         for key in ("size", "seed", "vae_steps", "batch", "vae_batch", "ink_weight", "bank_size", "bank_refresh", "opposite_prob", "still_prob", "num_frames"):
             if state["args"].get(key) != getattr(args, key):
@@ -515,7 +540,9 @@ def main(argv=None) -> Trainer:
           + ", ".join(f"{n} {v / 1e6:.2f}M" for n, v in sizes.items())
           + f"; {args.vae_steps} VAE steps x {args.vae_batch} + {args.flow_steps} flow steps x {args.batch}; "
           f"{len(trainer.exclude)} held-out prompts excluded", flush=True)  # fmt: skip
-    if args.export_only:
+    if args.probe_vae:
+        print(json.dumps(trainer.probe_vae(args.probe_vae), indent=1), flush=True)
+    elif args.export_only:
         trainer.export()
     else:
         trainer.run()

@@ -74,3 +74,11 @@ def test_unclamped_decode_matches_the_vae_inside_the_range():
         raw, ref = pw.decode_unclamped(vae, z), vae.decode(z).sample
     assert raw.shape == ref.shape == (2, 3, 5, 16, 16)
     torch.testing.assert_close(raw.clamp(-1, 1), ref)
+
+
+def test_vae_probe_scores_reconstructions_against_the_rendered_clips(tmp_path):
+    pw.main(_args(tmp_path, "--stop-at", "2"))
+    report = pw.main(_args(tmp_path, "--probe-vae", "3")).probe_vae(3)
+    assert report["clips"] == 3 and report["rendered_strict"] == 1.0  # the judge passes the rendered clips
+    assert 0.0 <= report["reconstruction_strict"] < 1.0  # two VAE steps reconstruct nothing recognisable
+    assert set(report) >= {"check/object", "check/color"}
