@@ -108,26 +108,32 @@ def _pair_images(images_dir: Path, metadata_file: Path | None) -> list[tuple[Pat
     return _pair_files(images_dir, _read_jsonl(metadata_file), metadata_file, "metadata")
 
 
-def _pair_files(images_dir: Path, rows: list, rows_file: Path, what: str) -> list[tuple[Path, int, object]]:
-    """(image path, row index, row) per image file of ``images_dir``, by the rules in the module doc."""
-    files = sorted(p for p in images_dir.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-    if not files:
-        raise SystemExit(f"--images {images_dir}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))})")
-    indices = [re.match(r"^(\d+)", p.name) for p in files]
+def _pair(entries: list[Path], folder: Path, rows: list, rows_file: Path, what: str, noun: str, example: str):
+    """(path, row index, row) per entry of ``folder``: by a leading row index in every name, else one per line in
+    sorted order (module doc). ``noun`` is the entries' singular ("image", "clip") in the errors."""
+    indices = [re.match(r"^(\d+)", p.name) for p in entries]
     if all(indices):
         pairs = []
-        for path, match in zip(files, indices):
+        for path, match in zip(entries, indices):
             index = int(match.group(1))
             if index >= len(rows):
                 raise SystemExit(f"{path.name}: index {index} but {rows_file} has only {len(rows)} lines")
             pairs.append((path, index, rows[index]))
         return pairs
-    if len(files) != len(rows):
+    if len(entries) != len(rows):
         raise SystemExit(
-            f"{len(files)} images in {images_dir} but {len(rows)} {what} lines in {rows_file}; name the images "
-            f"with a leading {what} index (e.g. 00012.png) or give exactly one image per line"
+            f"{len(entries)} {noun}s in {folder} but {len(rows)} {what} lines in {rows_file}; name the {noun}s with a "
+            f"leading {what} index (e.g. {example}) or give exactly one {noun} per line"
         )
-    return [(path, i, row) for i, (path, row) in enumerate(zip(files, rows))]
+    return [(path, i, row) for i, (path, row) in enumerate(zip(entries, rows))]
+
+
+def _pair_files(images_dir: Path, rows: list, rows_file: Path, what: str) -> list[tuple[Path, int, object]]:
+    """(image path, row index, row) per image file of ``images_dir``, by the rules in the module doc."""
+    files = sorted(p for p in images_dir.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise SystemExit(f"--images {images_dir}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    return _pair(files, images_dir, rows, rows_file, what, "image", "00012.png")
 
 
 def _cmd_geneval(args: argparse.Namespace) -> int:
@@ -279,22 +285,7 @@ def _video_entries(videos_dir: Path) -> list[Path]:
 
 def _pair_videos(videos_dir: Path, rows: list, rows_file: Path) -> list[tuple[Path, int, object]]:
     """(clip path, metadata index, metadata) per clip, matched as images are (module doc)."""
-    entries = _video_entries(videos_dir)
-    indices = [re.match(r"^(\d+)", p.name) for p in entries]
-    if all(indices):
-        pairs = []
-        for path, match in zip(entries, indices):
-            index = int(match.group(1))
-            if index >= len(rows):
-                raise SystemExit(f"{path.name}: index {index} but {rows_file} has only {len(rows)} lines")
-            pairs.append((path, index, rows[index]))
-        return pairs
-    if len(entries) != len(rows):
-        raise SystemExit(
-            f"{len(entries)} clips in {videos_dir} but {len(rows)} metadata lines in {rows_file}; name the clips with "
-            f"a leading metadata index (e.g. 00012.mp4, 00012/) or give exactly one clip per line"
-        )
-    return [(path, i, row) for i, (path, row) in enumerate(zip(entries, rows))]
+    return _pair(_video_entries(videos_dir), videos_dir, rows, rows_file, "metadata", "clip", "00012.mp4, 00012/")
 
 
 def read_clip(path: Path):
