@@ -1,16 +1,22 @@
 """What ``python train.py`` runs: choose the run dir on rank 0, build the :class:`~flowgrpo.trainer.Trainer`,
-train, and leave a summary (JSON + reward curves) in the run dir."""
+train, and leave a summary (JSON + reward curves) in the run dir. What it reports, and the traceback of a crash,
+also goes to ``train.log`` there (:mod:`flowgrpo.runlog`)."""
 
 from __future__ import annotations
 
 import json
+import logging
+import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from .checkpoint import atomic_write_text
 from .config import validate
+from .runlog import LOG_NAME, log, run_log
 
 __all__ = ["main", "resolve_output_dir"]
 
@@ -26,8 +32,53 @@ def resolve_output_dir(cfg: DictConfig) -> Path:
         if not HydraConfig.initialized():
             raise RuntimeError("no Hydra run dir (not started through train.py): set trainer.output_dir=PATH")
         out = Path(HydraConfig.get().runtime.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    _make_dir(out)
     return out
+
+
+def _make_dir(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OSError(err.errno, f"cannot create the output directory {out}: {err.strerror or err}") from err
+
+
+def _adopt_hydra_dir(out: Path, main: bool) -> None:
+    """Hydra made its own run dir before this code ran (``.hydra/`` and an empty ``train.log`` it keeps open). Its
+    log file is closed: :func:`~flowgrpo.runlog.run_log` writes ``train.log``, once, on the main process. When that
+    dir is not ``out`` (``trainer.output_dir`` was given, or another process chose), its ``.hydra/`` moves into
+    ``out`` (main process) and the dir and its empty parents are removed, so that no stray ``outputs/...`` is left.
+    A dir holding anything else is left as it is."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    hydra_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+    root = logging.getLogger()
+    for handler in list(root.handlers):  # run_log writes train.log (one writer, and only on the main process)
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).resolve().parent == hydra_dir:
+            root.removeHandler(handler)
+            handler.close()
+    if hydra_dir == out.resolve() or not hydra_dir.is_dir():
+        return
+    try:
+        log_file, configs = hydra_dir / LOG_NAME, hydra_dir / ".hydra"
+        if log_file.is_file() and log_file.stat().st_size == 0:
+            log_file.unlink()
+        if configs.is_dir():
+            if main:
+                shutil.rmtree(out / ".hydra", ignore_errors=True)
+                shutil.move(str(configs), str(out / ".hydra"))
+            elif not any(p.is_dir() for p in configs.iterdir()):
+                shutil.rmtree(configs)
+        stop = Path.cwd().resolve()
+        for d in [hydra_dir, *hydra_dir.parents]:
+            if d == stop or stop not in d.parents or any(d.iterdir()):
+                break
+            d.rmdir()
+    except OSError as err:  # tidying up: never worth the run
+        warnings.warn(f"could not remove Hydra's run dir {hydra_dir}: {err.strerror or err}", RuntimeWarning,
+                      stacklevel=2)
 
 
 def _shared_output_dir(cfg: DictConfig, accelerator) -> Path:
@@ -39,7 +90,7 @@ def _shared_output_dir(cfg: DictConfig, accelerator) -> Path:
     if accelerator.num_processes > 1:
         broadcast_object_list(chosen, from_process=0)
     out = Path(chosen[0])
-    out.mkdir(parents=True, exist_ok=True)
+    _make_dir(out)
     return out
 
 
@@ -74,15 +125,28 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
     accelerator = Accelerator(mixed_precision=cfg.trainer.mixed_precision, cpu=not torch.cuda.is_available())
     out = _shared_output_dir(cfg, accelerator)
-    if accelerator.is_main_process:
-        OmegaConf.save(cfg, out / "config.yaml", resolve=True)
-    trainer = Trainer(cfg, out, accelerator=accelerator)
-    summary = trainer.fit()
-    if accelerator.is_main_process:
-        summary["curves"] = str(plot_curves(trainer.history, trainer.evals, out / "curves.png"))
-        summary["output_dir"] = str(out)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        print(f"summary: {out / 'summary.json'}", flush=True)
+    main_process = accelerator.is_main_process
+    _adopt_hydra_dir(out, main_process)
+    with run_log(out, main=main_process):
+        if main_process:
+            OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+        trainer = Trainer(cfg, out, accelerator=accelerator)
+        summary = trainer.fit()
+        if main_process:
+            curves = out / "curves.png"
+            try:
+                summary["curves"] = str(plot_curves(trainer.history, trainer.evals, curves))
+            except Exception as err:  # a convenience: the numbers are in summary.json and metrics.jsonl
+                summary["curves"] = None
+                cause = getattr(err, "strerror", None) or f"{type(err).__name__}: {err}"
+                warnings.warn(f"could not write {curves}: {cause}; the run goes on", RuntimeWarning, stacklevel=2)
+            summary["output_dir"] = str(out)
+            path = out / "summary.json"
+            try:
+                atomic_write_text(path, json.dumps(summary, indent=2, default=str))
+            except OSError as err:
+                raise OSError(err.errno, f"could not write {path}: {err.strerror or err}") from err
+            log.info(f"summary: {path}")
     return summary
 
 

@@ -23,7 +23,6 @@ import copy
 import json
 import math
 import re
-import sys
 import time
 import warnings
 from contextlib import nullcontext
@@ -46,6 +45,7 @@ from .evaluation import seeded_generator as _gen
 from .finetune import (EMA, frozen_reference, gathers_state, load_optimizer_state, load_trainable_state,
                        optimizer_state, prepare_trainable, reference_policy, trainable_state)
 from .gallery import Gallery
+from .runlog import log, run_log
 
 __all__ = ["Trainer", "Batch", "TrainerContext", "NonFiniteError"]
 
@@ -214,7 +214,7 @@ class Trainer:
 
     def _print(self, *msg) -> None:
         if self.acc.is_main_process:
-            print(*msg, flush=True)
+            log.info(" ".join(str(m) for m in msg))
 
     def banner(self) -> str:
         n_train = sum(p.numel() for p in self.params)
@@ -745,7 +745,12 @@ class Trainer:
         return out
 
     def fit(self) -> dict[str, Any]:
-        """Run (or resume) the whole training; returns a summary with the evaluations."""
+        """Run (or resume) the whole training; returns a summary with the evaluations. What it reports also goes
+        to ``train.log`` in the run dir (main process), with the traceback of an exception that ends it."""
+        with run_log(self.out, main=self.acc.is_main_process):
+            return self._fit()
+
+    def _fit(self) -> dict[str, Any]:
         from tqdm.auto import tqdm
 
         t = self.cfg.trainer
@@ -846,7 +851,7 @@ class Trainer:
             atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
         except OSError as write_err:
             line += f"\n(could not write {self.out / 'summary.json'}: {write_err.strerror or write_err})"
-        print(line, file=sys.stderr, flush=True)
+        log.error(line)
         err.add_note(line)
         if self.logger is not None:
             try:
@@ -926,5 +931,5 @@ class Trainer:
                     lines.append(f"  {key}: {first[key]:.3f} → {last[key]:.3f} ({last[key] - first[key]:+.3f})")
             if checkpoint:
                 lines.append(f"  checkpoint: {checkpoint}")
-            print("\n".join(lines), flush=True)
+            log.info("\n".join(lines))
         return summary

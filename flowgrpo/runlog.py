@@ -1,0 +1,143 @@
+"""The run log: what the trainer and the CLI report goes to the console (as before) and to ``<run dir>/train.log``.
+
+Messages go through the ``flowgrpo`` logger (:data:`log`). :func:`run_log` attaches ``train.log`` for the duration of
+a run on the main process only (the others write no file), copies ``warnings.warn`` into it, and writes the
+traceback of an exception that ends the run before the exception propagates. Console lines are written with
+``tqdm.write`` so that they do not collide with a progress bar.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+__all__ = ["log", "run_log", "LOG_NAME"]
+
+LOG_NAME = "train.log"
+log = logging.getLogger("flowgrpo")
+_warnings_log = logging.getLogger("py.warnings")  # the logger logging.captureWarnings writes to
+_FILE_ONLY = "flowgrpo_file_only"
+
+
+class _ConsoleHandler(logging.Handler):
+    """The console, as ``print`` wrote it: the message alone; INFO to stdout, WARNING and above to stderr; through
+    ``tqdm.write`` so that a progress bar on the terminal is cleared and redrawn around the line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, _FILE_ONLY, False) and super().filter(record)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm.auto import tqdm
+
+            stream = sys.stdout if record.levelno < logging.WARNING else sys.stderr
+            tqdm.write(record.getMessage(), file=stream)
+            stream.flush()
+        except Exception:  # pragma: no cover - logging's own convention: never raise from a handler
+            self.handleError(record)
+
+
+def _console() -> None:
+    """One console handler on the ``flowgrpo`` logger (idempotent); it does not propagate to the root logger, whose
+    handlers (Hydra's) would print the line a second time in another format."""
+    if not any(isinstance(h, _ConsoleHandler) for h in log.handlers):
+        log.addHandler(_ConsoleHandler())
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+_console()
+
+_active: dict[Path, list] = {}  # train.log path -> [file handler, nesting depth]
+
+
+def _file_handler(path: Path) -> logging.FileHandler:
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.INFO)
+    return handler
+
+
+@contextlib.contextmanager
+def _capture_warnings(handler: logging.Handler) -> Iterator[None]:
+    """Copy every shown warning into ``handler`` (as ``logging.captureWarnings`` would, under the ``py.warnings``
+    logger), then show it as before: on the console, or to whatever recorder (``pytest.warns``,
+    ``warnings.catch_warnings(record=True)``) was installed. ``logging.captureWarnings`` itself would replace that
+    display, and a recorder would see nothing."""
+    previous = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        record = _warnings_log.makeRecord(_warnings_log.name, logging.WARNING, filename, lineno,
+                                          warnings.formatwarning(message, category, filename, lineno, line).rstrip(),
+                                          None, None)
+        if handler.filter(record):
+            handler.handle(record)
+        try:
+            from tqdm.auto import tqdm
+
+            mode = tqdm.external_write_mode(file=file or sys.stderr)
+        except ImportError:  # pragma: no cover
+            mode = contextlib.nullcontext()
+        with mode:
+            previous(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+    try:
+        yield
+    finally:
+        if warnings.showwarning is showwarning:
+            warnings.showwarning = previous
+
+
+def _log_crash(err: BaseException) -> None:
+    """The traceback into the file only (Python prints it on the console when the exception ends the process)."""
+    if getattr(err, "_flowgrpo_logged", False):
+        return
+    text = "".join(traceback.format_exception(type(err), err, err.__traceback__)).rstrip()
+    log.error("the run ended with an exception:\n%s", text, extra={_FILE_ONLY: True})
+    try:
+        err._flowgrpo_logged = True  # a run log nested in another writes it once
+    except AttributeError:  # pragma: no cover
+        pass
+
+
+@contextlib.contextmanager
+def run_log(run_dir: str | Path, main: bool = True) -> Iterator[Path | None]:
+    """Attach ``<run_dir>/train.log`` (appended to, as a resumed run continues its log) for the duration; yields
+    its path, ``None`` when not ``main``. Nested calls for the same dir share one file handler. An exception leaving
+    the block has its traceback written to the file, then propagates unchanged."""
+    if not main:
+        yield None
+        return
+    path = (Path(run_dir) / LOG_NAME).resolve()
+    entry = _active.get(path)
+    if entry is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entry = _active[path] = [_file_handler(path), 0]
+    handler = entry[0]
+    entry[1] += 1
+    outer = entry[1] == 1
+    root = logging.getLogger()
+    if outer:
+        log.addHandler(handler)
+        root.addHandler(handler)  # other libraries' records that reach the root logger (warnings of diffusers, ...)
+    try:
+        with _capture_warnings(handler) if outer else contextlib.nullcontext():
+            try:
+                yield path
+            except BaseException as err:
+                if not isinstance(err, (SystemExit, GeneratorExit)):
+                    _log_crash(err)
+                raise
+    finally:
+        entry[1] -= 1
+        if entry[1] == 0:
+            log.removeHandler(handler)
+            root.removeHandler(handler)
+            handler.close()
+            del _active[path]

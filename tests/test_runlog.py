@@ -1,0 +1,97 @@
+"""The run log: what a run reports (banner, batch plan, evaluations, warnings, the final summary, the traceback of a
+crash) is in ``<run dir>/train.log`` as well as on the console, and ``train.py`` with ``trainer.output_dir`` leaves
+no stray Hydra run dir behind. docs/reliability.md lists it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from flowgrpo import cli
+
+from test_faults import BASE, CONF, make  # tests/test_faults.py: a tiny tiny_sd3 trainer writing into tmp_path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_train_log_holds_the_banner_evaluations_and_summary_and_no_stray_outputs_dir(tmp_path):
+    work, run = tmp_path / "cwd", tmp_path / "run"
+    work.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "debug=default", "reward=jpeg_compressibility",
+         "trainer.eval_before=true", "trainer.iterations=1", "trainer.gallery_every=0", "sampler.eval_num_steps=2",
+         f"trainer.output_dir={run}"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = (run / "train.log").read_text()
+    for line in ("batch plan: ", "algorithm: ", "trainable: ", "eval @ 0: ", "eval @ 1: ", "done: 1 iterations",
+                 f"summary: {run / 'summary.json'}"):
+        assert line in log, f"{line!r} not in train.log:\n{log}"
+        assert line in proc.stdout  # the console shows the same
+    assert (run / ".hydra" / "config.yaml").is_file() and (run / "summary.json").is_file()
+    assert list(work.iterdir()) == []  # no outputs/<date>/<time> beside it
+
+
+def test_a_crash_writes_its_traceback_to_train_log_and_raises(tmp_path):
+    trainer = make(tmp_path, "trainer.iterations=2", "trainer.checkpoint_every=0")
+    real = trainer.reward
+
+    def reward(images, prompts, metadata=None):
+        if trainer.iteration == 1:
+            raise ConnectionError("reward server down")
+        return real(images, prompts, metadata)
+
+    trainer.reward = reward
+    with pytest.raises(ConnectionError, match="reward server down"):
+        trainer.fit()
+    log = (tmp_path / "train.log").read_text()
+    assert "Traceback (most recent call last)" in log
+    assert "ConnectionError: reward server down" in log
+    assert "error in iteration 1 (score)" in log  # the crash report that names the checkpoint and how to resume
+    assert log.count("Traceback (most recent call last)") == 1
+
+
+def test_a_warning_in_the_run_lands_in_train_log_and_is_still_shown(tmp_path):
+    trainer = make(tmp_path, "trainer.iterations=1", "trainer.checkpoint_every=0")
+    real = trainer.reward
+
+    def reward(images, prompts, metadata=None):
+        warnings.warn("the reward model is uncalibrated", UserWarning)
+        return real(images, prompts, metadata)
+
+    trainer.reward = reward
+    with pytest.warns(UserWarning, match="uncalibrated"):  # shown as before: a recorder still sees it
+        trainer.fit()
+    log = (tmp_path / "train.log").read_text()
+    assert "UserWarning: the reward model is uncalibrated" in log
+    assert warnings.showwarning is not None and "flowgrpo" not in getattr(warnings.showwarning, "__module__", "")
+
+
+def test_an_output_dir_that_cannot_be_created_names_the_path_and_the_cause(tmp_path):
+    (tmp_path / "file").write_text("")
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("train", overrides=[*BASE, f"trainer.output_dir={tmp_path / 'file' / 'run'}"])
+    with pytest.raises(OSError, match=r"cannot create the output directory .*file/run: Not a directory"):
+        cli.resolve_output_dir(cfg)
+
+
+def test_curves_that_cannot_be_written_are_a_logged_warning_and_the_summary_is_written(tmp_path, monkeypatch):
+    def broken(history, evals, path):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(cli, "plot_curves", broken)
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("train", overrides=[*BASE, f"trainer.output_dir={tmp_path}", "trainer.iterations=1",
+                                          "trainer.checkpoint_every=0"])
+    with pytest.warns(RuntimeWarning, match=r"could not write .*curves\.png: No space left on device"):
+        summary = cli.main(cfg)
+    assert summary["curves"] is None and (tmp_path / "summary.json").is_file()
+    log = (tmp_path / "train.log").read_text()
+    assert "curves.png: No space left on device" in log and f"summary: {tmp_path / 'summary.json'}" in log
