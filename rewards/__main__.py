@@ -108,6 +108,17 @@ def _pair_images(images_dir: Path, metadata_file: Path | None) -> list[tuple[Pat
     return _pair_files(images_dir, _read_jsonl(metadata_file), metadata_file, "metadata")
 
 
+def _emit(result: dict, out: str | None) -> int:
+    """Print the result as JSON, or write it to ``out`` and print only its summary."""
+    text = json.dumps(result, indent=1)
+    if out:
+        Path(out).write_text(text + "\n")
+        print(json.dumps(result["summary"], indent=1))
+    else:
+        print(text)
+    return 0
+
+
 def _pair(entries: list[Path], folder: Path, rows: list, rows_file: Path, what: str, noun: str, example: str):
     """(path, row index, row) per entry of ``folder``: by a leading row index in every name, else one per line in
     sorted order (module doc). ``noun`` is the entries' singular ("image", "clip") in the errors."""
@@ -258,14 +269,7 @@ def _cmd_score(args: argparse.Namespace) -> int:
                          "std": _json_float(float(t.std(correction=0))) if t.numel() else None,
                          "min": _json_float(float(t.min())) if t.numel() else None,
                          "max": _json_float(float(t.max())) if t.numel() else None}
-    result = {"summary": summary, "images": records}
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-        print(json.dumps(summary, indent=1))
-    else:
-        print(text)
-    return 0
+    return _emit({"summary": summary, "images": records}, args.out)
 
 
 def _video_entries(videos_dir: Path) -> list[Path]:
@@ -372,14 +376,7 @@ def _cmd_video_geneval(args: argparse.Namespace) -> int:
         "per_tag": tags["per_tag"],
         "checks": checks,
     }
-    result = {"summary": summary, "videos": records}
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-        print(json.dumps(summary, indent=1))
-    else:
-        print(text)
-    return 0
+    return _emit({"summary": summary, "videos": records}, args.out)
 
 
 def _cmd_list(args: argparse.Namespace) -> int:

@@ -526,7 +526,8 @@ def main(argv=None) -> Trainer:
     trainer = Trainer(args)
     ckpt = Path(args.ckpt_dir) / "last.pt"
     if (args.export_only or args.probe_vae) and not ckpt.exists():
-        raise SystemExit(f"--export-only needs a checkpoint: {ckpt} does not exist (set --ckpt-dir)")
+        flag = "--probe-vae" if args.probe_vae else "--export-only"
+        raise SystemExit(f"{flag} needs a checkpoint: {ckpt} does not exist (set --ckpt-dir)")
     if (args.resume or args.export_only or args.probe_vae) and ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         for key in ("size", "seed", "vae_steps", "batch", "vae_batch", "ink_weight", "bank_size", "bank_refresh", "opposite_prob", "still_prob", "num_frames"):
