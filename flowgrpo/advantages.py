@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["group_advantages", "weighted_advantages", "advantage_stats", "RewardAggregator"]
+__all__ = ["group_advantages", "weighted_advantages", "advantage_stats", "component_group_stats", "RewardAggregator"]
 
 
 def _groups(values: torch.Tensor, group_size: int, name: str = "rewards") -> torch.Tensor:
@@ -122,6 +122,18 @@ def advantage_stats(advantages: torch.Tensor, rewards: torch.Tensor, group_size:
         "adv_zero_fraction": (a == 0).double().mean(),
     }
     return {k: float(v) for k, v in stats.items()}
+
+
+def component_group_stats(components: dict[str, torch.Tensor], names, group_size: int) -> dict[str, float]:
+    """Per-component spread within groups, whatever the aggregator (how saturated each reward term is):
+    ``{name}/zero_std_group_fraction`` (groups where that component is constant: it ranks nobody there) and
+    ``{name}/group_std_mean`` (mean within-group population std), for each of ``names``."""
+    out = {}
+    for name in names:
+        r = _groups(components[name], group_size, name)
+        out[f"{name}/zero_std_group_fraction"] = float((r.amax(dim=1) == r.amin(dim=1)).double().mean())
+        out[f"{name}/group_std_mean"] = float(r.std(dim=1, correction=0).mean())
+    return out
 
 
 class RewardAggregator:

@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from samplers import rollout
 
-from .advantages import RewardAggregator, advantage_stats
+from .advantages import RewardAggregator, advantage_stats, component_group_stats
 from .algorithms import Batch, UpdateContext, build_algorithm
 from .build import (batch_plan, build_adapter, build_sampler, check_output_dir, checkpoint_bytes, model_kwargs, preflight,
                     prompt_pools)
@@ -729,9 +729,14 @@ class Trainer:
     def _scalars(self, batch: Batch, train: dict, timings: dict) -> dict[str, float]:
         rewards = batch.global_rewards
         out = {"iteration": self.iteration, "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std())}
+        gathered = {}
         for k, v in batch.components.items():
-            g = self.acc.gather(v.contiguous())
+            g = gathered[k] = self.acc.gather(v.contiguous())
             out[f"reward/{k}"] = float(torch.nanmean(g)) if torch.any(~torch.isnan(g)) else float("nan")
+        weighted = list(getattr(self.reward, "weights", None) or ())  # reward=multi: how saturated each term is
+        if weighted:
+            out.update({f"groups/{k}": v for k, v in
+                        component_group_stats(gathered, weighted, self.cfg.trainer.group_size).items()})
         out.update({f"adv/{k}": v for k, v in advantage_stats(batch.global_advantages, rewards,
                                                               self.cfg.trainer.group_size).items()})
         if self.aggregator is not None:

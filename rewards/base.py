@@ -14,7 +14,8 @@ Bad samples, the same way in every reward:
   NaN; cast to uint8 it would read as a black image and be scored). No reward returns NaN or a made-up score for
   them, so a diverged run stops at its first reward call with the cause in the message.
 - **Degenerate samples score 0** where 0 is the floor of the reward's scale and means "nothing there":
-  ``geneval``, ``video_geneval``, ``ocr``, ``video_flicker``, ``video_motion``, ``video_consistency``. A sample is
+  ``geneval``, ``video_geneval``, ``ocr``, ``video_flicker``, ``video_motion``, ``video_sharpness``,
+  ``video_consistency``. A sample is
   degenerate when it is uniform (all black, all white, one flat colour) or pure noise, every frame of it for a
   clip (:func:`rewards.images.degenerate`; a single small shape on white is content).
 - Learned preference / alignment models (``pickscore``, ``hpsv21``, ``imagereward``, ``aesthetic``, ``clipscore``,

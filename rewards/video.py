@@ -12,6 +12,9 @@ reward                    score                                                 
 ``video_motion``          motion magnitude: mean dense optical-flow magnitude (OpenCV Farnebäck)      none
                           as a fraction of the frame's shorter side, or the mean absolute
                           difference of consecutive blurred grey frames (``method="frame_diff"``)
+``video_sharpness``       per-frame edge sharpness: mean of the strongest ``top`` fraction of grey    none
+                          neighbour differences, /255, mean over frames (a no-reference frame-quality
+                          term: blur lowers it, a crisp 1-pixel edge of full contrast scores 1)
 ========================  ==========================================================================  =============
 
 VBench (arXiv 2311.17982, ``vbench/subject_consistency.py``, ``temporal_flickering.py``) scores one video at a
@@ -28,7 +31,7 @@ per frame and the mean of each frame pair's top-5% magnitudes (the statistic VBe
 thresholds).
 
 Degenerate clips (:func:`rewards.images.degenerate`: every frame uniform -- all black, all white, one flat colour --
-or pure noise) score 0 under ``video_flicker``, ``video_motion`` and ``video_consistency``, whose scales have a
+or pure noise) score 0 under ``video_flicker``, ``video_motion``, ``video_sharpness`` and ``video_consistency``, whose scales have a
 floor of 0: a frozen flat clip would otherwise earn the best possible flicker and consistency (1.0), and noise
 made-up motion. Their measurement components (``flicker_mad``, ``motion_px``, ``motion_top5_px``) keep what was
 measured; the score-scale ones (``flicker``, ``motion``, ``consistency*``) are 0. ``video_clip`` is a learned
@@ -51,7 +54,7 @@ from ._loading import check_tokenizer, from_pretrained, resolve_device, resolve_
 from .base import RewardOutput, register
 from .images import check_finite, degenerate
 
-__all__ = ["to_video", "VideoClipScore", "VideoConsistency", "VideoFlicker", "VideoMotion"]
+__all__ = ["to_video", "VideoClipScore", "VideoConsistency", "VideoFlicker", "VideoMotion", "VideoSharpness"]
 
 DEFAULT_CLIP = "openai/clip-vit-large-patch14"
 DEFAULT_DINO = "facebook/dino-vitb16"
@@ -373,7 +376,44 @@ class VideoMotion:
             "motion": score, "motion_px": mean_px_t, "motion_top5_px": torch.from_numpy(top_px)})
 
 
+class VideoSharpness:
+    """Per-frame edge sharpness, a weight-free frame-quality term: for each grey frame (0–255) the absolute
+    differences of horizontal and vertical neighbours; the frame's score is the mean of its strongest ``top``
+    fraction divided by 255, and the clip's the mean over frames. A blurred edge spreads its contrast over several
+    pixels and scores lower; a crisp one-pixel step from white to black scores 1. It saturates once edges are crisp
+    (every sample of a group then scores alike) and rewards any high-frequency content, noise included: a term to
+    combine with task rewards, not to train on alone. Degenerate clips (flat or pure noise) score 0.
+
+    Components: ``sharpness`` (the score), ``sharpness_min`` (the worst frame's).
+
+    Args:
+        top: fraction of each frame's neighbour differences averaged (0 < top ≤ 1).
+    """
+
+    modality = "video"  # scores clips [B, T, 3, H, W]: a trainer refuses it with an image model
+
+    def __init__(self, top: float = 0.02):
+        if not 0 < top <= 1:
+            raise ValueError(f"video_sharpness: top must be in (0, 1], got {top}")
+        self.top = float(top)
+
+    def __call__(self, images, prompts=None, metadata=None) -> RewardOutput:
+        video = to_video(images, reward="video_sharpness")
+        grey = _grey(video)  # [B, T, H, W], 0..255
+        if min(grey.shape[-2:]) < 2:
+            raise ValueError(f"video_sharpness: frames need at least 2x2 pixels, got {tuple(grey.shape[-2:])}")
+        diffs = torch.cat([(grey[..., :, 1:] - grey[..., :, :-1]).abs().flatten(2),
+                           (grey[..., 1:, :] - grey[..., :-1, :]).abs().flatten(2)], dim=2)  # [B, T, N]
+        k = max(1, int(round(self.top * diffs.shape[-1])))
+        per_frame = diffs.topk(k, dim=-1).values.mean(-1).double() / 255.0  # [B, T]
+        content = _content(video)
+        score = per_frame.mean(1) * content
+        return RewardOutput(scores=score.float(), components={
+            "sharpness": score, "sharpness_min": per_frame.min(1).values * content})
+
+
 register("video_clip")(VideoClipScore)
 register("video_consistency")(VideoConsistency)
 register("video_flicker")(VideoFlicker)
 register("video_motion")(VideoMotion)
+register("video_sharpness")(VideoSharpness)

@@ -1,21 +1,30 @@
-"""TaRoS vs the weighted sum on a hackable composite reward: GenEval + a quickly saturating JPEG term.
+"""TaRoS vs the weighted sum on hackable composite rewards, images and video (JSON + PNG).
 
-    python scripts/bench_multireward.py                              # sd3_shapes, 3 seeds x {sum, taros}
-    python scripts/bench_multireward.py --seeds 0,1,2,3 --iterations 80 --jobs 2 --out multireward.json
+    python scripts/bench_multireward.py                              # image composite: sd3_shapes, 3 seeds x {sum, taros}
+    python scripts/bench_multireward.py --composite video --iterations 40 --eval-every 20   # wan_shapes, video composite
+    python scripts/bench_multireward.py --seeds 0,1,2,3 --iterations 80 --jobs 2 --weight jpeg_compressibility=0.2
     python scripts/bench_multireward.py --model tiny_sd3 --iterations 2 --seeds 0 --eval-num-prompts 2  # smoke
 
-Each run is the real trainer (``python train.py`` defaults: the embedded world, MixGRPO) with ``reward=multi``
-(GenEval shapes detector, weight 1, plus ``jpeg_compressibility`` = −kB at quality 95, weight ``--jpeg-weight``),
-the same budget and seeds for every aggregator; only ``reward.aggregate.name`` differs:
+Each run is the real trainer with a ``reward=multi`` composite, the same budget and seeds for every aggregator;
+only ``reward.aggregate.name`` differs. The composites (``--composite``):
 
-* ``sum`` — the weighted sum, group-normalised like any scalar reward (Flow-GRPO's multi-score). In a group whose
-  GenEval verdicts agree (common), the sum's spread is the JPEG term's alone, and normalising it turns a
-  compressibility difference of a few bytes into a full-size advantage: the run optimises the hackable term;
-* ``taros`` — ``rewards.aggregate.TaRoS`` (per-component saturation-aware normalisation, intra-group sparsity).
+* ``image`` (default model ``sd3_shapes``, the default algorithm): GenEval (shapes detector, weight 1) plus
+  ``jpeg_compressibility`` (−kB at quality 95, weight 0.1) — a term that is easy to move and unrelated to the task;
+* ``video`` (default model ``wan_shapes``, ``data=motion_shapes``, the ``experiment=video_shapes`` algorithm):
+  ``reward=video_composite`` — video GenEval (partial credit, weight 1) plus pixel temporal consistency and
+  per-frame sharpness. Both extra terms have shortcuts the task does not want: a frozen clip maximises
+  consistency, and a static object already satisfies "standing still".
 
-Reported per aggregator (mean and std over seeds): the held-out GenEval (overall strict and partial, GenEval's
-mean over tags) and the held-out JPEG term (−kB) before and after training; JSON to ``--out`` and a PNG of the
-held-out curves beside it. Evaluation uses fixed seeds, so the "before" numbers are shared by every run of a seed.
+Aggregators: ``sum`` — the weighted sum, group-normalised like any scalar reward (Flow-GRPO's multi-score). In a
+group whose task verdicts agree (common), the sum's spread is the other terms' alone, and normalising it turns a
+tiny difference into a full-size advantage: the run optimises the easy term. ``taros`` —
+``rewards.aggregate.TaRoS`` (per-component saturation-aware normalisation, intra-group sparsity).
+
+Reported per aggregator (mean and std over seeds): every composite metric held-out before and after training
+(for the task, GenEval's overall strict and partial, the mean over tags) and, from the training rows, each
+term's saturation — the fraction of groups where it is constant and its mean within-group spread, first and
+last quarter of training. JSON to ``--out`` and a PNG of the held-out curves beside it. Evaluation uses fixed
+seeds, so the "before" numbers are shared by every run of a seed.
 """
 
 from __future__ import annotations
@@ -35,10 +44,24 @@ sys.path.insert(0, str(REPO))
 
 from bench_iteration import compose, pool_results  # noqa: E402
 
-METRICS = {
-    "geneval": "eval/geneval/geneval",                  # GenEval overall (strict), mean over tags
-    "geneval_partial": "eval/geneval/geneval_partial",  # Flow-GRPO partial credit, mean over tags
-    "jpeg": "eval/jpeg_compressibility",                # −kB at quality 95 (higher = more compressible)
+COMPOSITES = {
+    "image": {
+        "model": "sd3_shapes", "overrides": ["reward=multi"],
+        "terms": ["geneval", "jpeg_compressibility"],  # reward.kwargs.components order
+        "metrics": {"geneval": "eval/geneval/geneval",                  # GenEval overall (strict), mean over tags
+                    "geneval_partial": "eval/geneval/geneval_partial",  # Flow-GRPO partial credit, mean over tags
+                    "jpeg": "eval/jpeg_compressibility"},               # −kB at quality 95 (higher = more compressible)
+    },
+    "video": {
+        "model": "wan_shapes", "overrides": ["reward=video_composite", "data=motion_shapes", "algo=grpo",
+                                             "sampler=sde", "algo.timestep_fraction=0.3", "algo.timestep_selection=first"],
+        "terms": ["video_geneval", "video_consistency", "video_sharpness"],
+        "metrics": {"geneval": "eval/video_geneval/geneval",                  # video GenEval overall (strict)
+                    "geneval_partial": "eval/video_geneval/geneval_partial",  # partial credit, mean over tags
+                    "still_strict": "eval/video_geneval/strict/static",      # the "standing still" tag (the shortcut)
+                    "consistency": "eval/video_consistency",                  # pixel temporal consistency
+                    "sharpness": "eval/video_sharpness"},                     # per-frame edge sharpness
+    },
 }
 
 
@@ -50,31 +73,36 @@ def run(job: tuple[str, int, dict]) -> dict:
     torch.set_num_threads(opts["threads"])
     from flowgrpo.trainer import Trainer
 
+    composite = COMPOSITES[opts["composite"]]
     out_dir = Path(opts["root"]) / f"{aggregator}-{seed}"
-    overrides = [f"model={opts['model']}", "reward=multi", f"reward.aggregate.name={aggregator}",
-                 f"reward.kwargs.components.1.weight={opts['jpeg_weight']}", "logger=none",
-                 f"trainer.seed={seed}", f"trainer.iterations={opts['iterations']}", "trainer.eval_every=0",
-                 "trainer.gallery_every=0", "trainer.checkpoint_every=0", f"trainer.output_dir={out_dir}",
+    weights = [f"reward.kwargs.components.{composite['terms'].index(k)}.weight={w}" for k, w in opts["weights"].items()]
+    overrides = [f"model={opts['model']}", *composite["overrides"], f"reward.aggregate.name={aggregator}", *weights,
+                 "logger=none", f"trainer.seed={seed}", f"trainer.iterations={opts['iterations']}",
+                 "trainer.eval_every=0", "trainer.gallery_every=0", "trainer.checkpoint_every=0",
+                 f"trainer.output_dir={out_dir}",
                  *([f"trainer.eval_num_prompts={opts['eval_num_prompts']}"] if opts["eval_num_prompts"] else []),
                  *opts["set"]]
     trainer = Trainer(compose(overrides), out_dir)
 
     def point() -> dict:
         result = trainer.evaluate()
-        missing = [k for k in METRICS.values() if k not in result]
+        missing = [k for k in composite["metrics"].values() if k not in result]
         if missing:
-            raise KeyError(f"held-out evaluation lacks {missing}: is reward=multi's GenEval component named "
-                           f"'geneval'? got {sorted(result)}")
-        return {"iteration": trainer.iteration, **{name: result[key] for name, key in METRICS.items()}}
+            raise KeyError(f"held-out evaluation lacks {missing}: are the composite's terms named "
+                           f"{composite['terms']}? got {sorted(result)}")
+        return {"iteration": trainer.iteration, **{name: result[key] for name, key in composite["metrics"].items()}}
 
     curve, train, clock = [point()], [], 0.0
     while trainer.iteration < opts["iterations"]:
         t0 = time.perf_counter()
         scalars = trainer.step()
         clock += time.perf_counter() - t0
-        train.append({"iteration": trainer.iteration,
-                      "geneval": scalars.get("reward/geneval"), "jpeg": scalars.get("reward/jpeg_compressibility"),
-                      "zero_std_group_fraction": scalars.get("adv/zero_std_group_fraction")})
+        row = {"iteration": trainer.iteration, "zero_std_group_fraction": scalars.get("adv/zero_std_group_fraction")}
+        for term in composite["terms"]:
+            row[term] = scalars.get(f"reward/{term}")
+            for stat in ("zero_std_group_fraction", "group_std_mean"):
+                row[f"{term}/{stat}"] = scalars.get(f"groups/{term}/{stat}")
+        train.append(row)
         if trainer.iteration % opts["eval_every"] == 0 or trainer.iteration == opts["iterations"]:
             curve.append(point())
     return {"aggregator": aggregator, "seed": seed, "train_seconds": round(clock, 1), "curve": curve, "train": train}
@@ -86,16 +114,32 @@ def _stats(values: list[float]) -> dict:
             "values": [round(v, 4) for v in values]}
 
 
-def summarise(runs: list[dict]) -> dict:
+def _quarter(rows: list[dict], key: str, last: bool) -> float:
+    """Mean of ``key`` over the first (or last) quarter of the training rows (at least one row)."""
+    n = max(1, len(rows) // 4)
+    part = rows[-n:] if last else rows[:n]
+    values = [r[key] for r in part if r.get(key) is not None]
+    return statistics.fmean(values) if values else float("nan")
+
+
+def summarise(runs: list[dict], composite: dict) -> dict:
     out = {}
     for agg in dict.fromkeys(r["aggregator"] for r in runs):
         mine = [r for r in runs if r["aggregator"] == agg]
         row = {}
-        for name in METRICS:
+        for name in composite["metrics"]:
             before = [r["curve"][0][name] for r in mine]
             after = [r["curve"][-1][name] for r in mine]
             row[name] = {"before": _stats(before), "after": _stats(after),
                          "change": _stats([a - b for a, b in zip(after, before)])}
+        saturation = {}
+        for term in composite["terms"]:
+            for stat in ("zero_std_group_fraction", "group_std_mean"):
+                key = f"{term}/{stat}"
+                if all(r["train"] and r["train"][0].get(key) is not None for r in mine):
+                    saturation[key] = {"first_quarter": _stats([_quarter(r["train"], key, False) for r in mine]),
+                                       "last_quarter": _stats([_quarter(r["train"], key, True) for r in mine])}
+        row["saturation"] = saturation
         row["train_seconds"] = _stats([r["train_seconds"] for r in mine])
         out[agg] = row
     return out
@@ -107,49 +151,73 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 3.4))
+    metrics = list(COMPOSITES[report["composite"]]["metrics"])
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.6 * len(metrics), 3.4))
     aggs = list(report["summary"])
-    for ax, name in zip(axes, METRICS):
+    for ax, name in zip(axes, metrics):
         for i, agg in enumerate(aggs):
             for j, r in enumerate(x for x in report["runs"] if x["aggregator"] == agg):
                 ax.plot([p["iteration"] for p in r["curve"]], [p[name] for p in r["curve"]], color=f"C{i}",
                         marker="o", ms=3, alpha=0.8, label=agg if j == 0 else None)
         ax.set(xlabel="iteration", ylabel=f"held-out {name}" + (" (−kB)" if name == "jpeg" else ""))
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"GenEval + {report['jpeg_weight']}·JPEG compressibility, {report['iterations']} iterations, "
-                 f"seeds {report['seeds']}", fontsize=9)
+    terms = " + ".join(f"{report['weights'][t]:g}·{t}" for t in COMPOSITES[report["composite"]]["terms"])
+    fig.suptitle(f"{report['model']}: {terms}, {report['iterations']} iterations, seeds {report['seeds']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
+def _weights(composite: str, given: list[str]) -> dict[str, float]:
+    """The composite's weights as run: its config's, with ``--weight TERM=W`` applied."""
+    from omegaconf import OmegaConf
+
+    spec = COMPOSITES[composite]
+    reward = next(o.split("=", 1)[1] for o in spec["overrides"] if o.startswith("reward="))
+    conf = OmegaConf.load(REPO / "conf" / "reward" / f"{reward}.yaml")
+    weights = {c["name"] if "prefix" not in c else c["prefix"]: float(c.get("weight", 1.0)) for c in conf.kwargs.components}
+    if list(weights) != spec["terms"]:
+        raise SystemExit(f"conf/reward/{reward}.yaml lists {list(weights)}, the benchmark expects {spec['terms']}")
+    for item in given:
+        term, _, value = item.partition("=")
+        if term not in weights or not value:
+            raise SystemExit(f"--weight {item!r}: expected TERM=W with TERM one of {spec['terms']}")
+        weights[term] = float(value)
+    return weights
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="sd3_shapes", help="conf/model option")
+    parser.add_argument("--composite", choices=sorted(COMPOSITES), default="image", help="which composite reward")
+    parser.add_argument("--model", default=None, help="conf/model option (default: the composite's)")
     parser.add_argument("--aggregators", default="sum,taros", help="reward.aggregate.name values, comma-separated")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated trainer seeds (≥3 for the report)")
     parser.add_argument("--iterations", type=int, default=60, help="training iterations per run (same budget)")
     parser.add_argument("--eval-every", type=int, default=20, help="iterations between held-out evaluations")
     parser.add_argument("--eval-num-prompts", type=int, default=None, help="held-out prompts (default: all)")
-    parser.add_argument("--jpeg-weight", type=float, default=0.1, help="weight of jpeg_compressibility (GenEval: 1)")
+    parser.add_argument("--weight", action="append", default=[], metavar="TERM=W",
+                        help="a composite term's weight (repeatable; default: the reward config's)")
     parser.add_argument("--set", action="append", default=[], help="extra Hydra override for every run (repeatable)")
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: cores / jobs)")
     parser.add_argument("--out", type=Path, default=Path("multireward.json"), help="JSON path (PNG beside it)")
     args = parser.parse_args(argv)
+    composite = COMPOSITES[args.composite]
+    model = args.model or composite["model"]
+    weights = _weights(args.composite, args.weight)
     seeds = [int(s) for s in args.seeds.split(",")]
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="multireward-") as root:  # the runs' scratch output dirs
-        opts = {"model": args.model, "iterations": args.iterations, "eval_every": args.eval_every,
-                "eval_num_prompts": args.eval_num_prompts, "jpeg_weight": args.jpeg_weight, "set": args.set,
-                "threads": threads, "root": root}
+        opts = {"composite": args.composite, "model": model, "iterations": args.iterations,
+                "eval_every": args.eval_every, "eval_num_prompts": args.eval_num_prompts, "weights": weights,
+                "set": args.set, "threads": threads, "root": root}
         jobs = [(agg, seed, opts) for seed in seeds for agg in args.aggregators.split(",")]
         finished = {(r["aggregator"], r["seed"]): r for r in pool_results(run, jobs, args.jobs)}
     runs = [finished[agg, seed] for agg, seed, _ in jobs]
-    report = {"model": args.model, "iterations": args.iterations, "seeds": seeds, "jpeg_weight": args.jpeg_weight,
-              "overrides": args.set, "wall_seconds": round(time.time() - t0, 1), "summary": summarise(runs),
-              "runs": runs}
+    report = {"composite": args.composite, "model": model, "iterations": args.iterations, "seeds": seeds,
+              "weights": weights, "overrides": composite["overrides"] + args.set,
+              "wall_seconds": round(time.time() - t0, 1), "summary": summarise(runs, composite), "runs": runs}
     args.out.write_text(json.dumps(report, indent=2))
     plot(report, args.out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))

@@ -103,6 +103,7 @@ VIDEO_REWARDS = {
     "video_flicker": ("zero", ("flicker",)),
     "video_motion": ("zero", ("motion",)),
     "video_motion_frame_diff": ("zero", ("motion",)),
+    "video_sharpness": ("zero", ("sharpness", "sharpness_min")),
     "video_consistency_pixels": ("zero", ("consistency", "consistency_prev", "consistency_first")),
     "video_consistency_dino": ("zero", ("consistency", "consistency_prev", "consistency_first")),
     "video_consistency_clip": ("zero", ("consistency", "consistency_prev", "consistency_first")),
@@ -292,7 +293,7 @@ def test_real_content_in_the_same_batch_keeps_its_score(build):
     clips = torch.stack([moving, degenerate_clip("white"), degenerate_clip("noise")])
     metas = [VIDEO_METAS[0]] * 3
     assert build("video_geneval")(clips, None, metas).scores.tolist() == [1.0, 0.0, 0.0]
-    for name in ("video_flicker", "video_motion", "video_motion_frame_diff", "video_consistency_pixels"):
+    for name in ("video_flicker", "video_motion", "video_motion_frame_diff", "video_sharpness", "video_consistency_pixels"):
         s = build(name)(clips).scores
         assert s[0] > 0 and s[1:].tolist() == [0.0, 0.0], (name, s)
     # a static flat clip used to be the best possible under flicker and consistency

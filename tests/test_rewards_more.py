@@ -139,6 +139,28 @@ def test_motion_orders_moving_above_static_and_recovers_displacement(clips):
     assert diff[0] == 0 and diff[0] < diff[1] < diff[2]
 
 
+def test_sharpness_hand_value_and_blur_ordering():
+    # black square on white, crisp: the strongest neighbour differences are full-contrast steps (255/255)
+    crisp = torch.ones(1, 2, 3, 32, 32)
+    crisp[..., 8:24, 8:24] = 0.0
+    edges = 4 * 16 * 2  # each of the square's 4 sides has 16 full steps; 2 frames
+    top = edges / 2 / (2 * 32 * 31)  # the frame's full-contrast share of its 2·32·31 neighbour pairs
+    out = rewards.load("video_sharpness", top=top)(crisp)
+    assert out.scores.item() == pytest.approx(1.0) and out.components["sharpness_min"].item() == pytest.approx(1.0)
+    # twice as many pairs averaged: half of them zero → 0.5
+    assert rewards.load("video_sharpness", top=2 * top)(crisp).scores.item() == pytest.approx(0.5, abs=1e-3)
+    # a box blur spreads each step over 3 pixels: the strongest differences drop to about a third
+    blurred = torch.nn.functional.avg_pool2d(crisp.flatten(0, 2), 3, stride=1, padding=1, count_include_pad=False)
+    blurred = blurred.view_as(crisp)
+    s = rewards.load("video_sharpness", top=top)(blurred).scores.item()
+    assert 0.25 < s < 0.45, s
+    # a grey-on-white square: contrast 0.5 → about half the score
+    grey = torch.where(crisp < 1, torch.full_like(crisp, 0.5), crisp)
+    assert rewards.load("video_sharpness", top=top)(grey).scores.item() == pytest.approx(0.5, abs=0.01)
+    with pytest.raises(ValueError, match="top must be in"):
+        rewards.load("video_sharpness", top=0)
+
+
 def test_pixel_consistency_is_explicit_and_orders_clips(clips):
     batch = torch.stack([clips["static"], clips["natural"], clips["shuffled"], clips["noisy"]])
     out = rewards.load("video_consistency", backbone="pixels")(batch, [""] * 4)
@@ -485,3 +507,14 @@ def test_score_cli_on_a_folder_of_pngs(tmp_path):
 
     assert main(["score", "--reward", "jpeg_compressibility", "--images", str(tmp_path), "--prompts",
                  str(tmp_path / "prompts.txt"), "--kwargs", '{"qualty": 90}']) == 2
+
+
+def test_component_group_stats_measure_each_terms_spread():
+    from flowgrpo.advantages import component_group_stats
+
+    comps = {"a": torch.tensor([1.0, 1.0, 0.0, 2.0]), "b": torch.tensor([0.5, 0.5, 0.5, 0.5]), "c": torch.zeros(4)}
+    stats = component_group_stats(comps, ["a", "b"], 2)
+    assert stats == {"a/zero_std_group_fraction": 0.5, "a/group_std_mean": 0.5,
+                     "b/zero_std_group_fraction": 1.0, "b/group_std_mean": 0.0}
+    with pytest.raises(ValueError, match="trainer.group_size=3"):
+        component_group_stats(comps, ["a"], 3)

@@ -116,6 +116,14 @@ def test_bench_multireward_trains_each_aggregator_on_the_same_budget(tmp_path):
     for run in report["runs"]:
         assert [p["iteration"] for p in run["curve"]] == [0, 1, 2] and len(run["train"]) == 2
         assert run["curve"][0]["jpeg"] < 0  # −kB
+        assert 0 <= run["train"][0]["jpeg_compressibility/zero_std_group_fraction"] <= 1
+    assert report["weights"] == {"geneval": 1.0, "jpeg_compressibility": 0.1}
+    sat = report["summary"]["sum"]["saturation"]
+    assert set(sat) == {f"{t}/{s}" for t in ("geneval", "jpeg_compressibility")
+                        for s in ("zero_std_group_fraction", "group_std_mean")}
+    assert sat["jpeg_compressibility/group_std_mean"]["last_quarter"]["mean"] > 0  # file sizes always differ a little
+    with pytest.raises(SystemExit, match="--weight 'clip=1': expected TERM=W with TERM one of"):
+        bench.main(["--weight", "clip=1", "--out", str(out)])
     # fixed evaluation seeds: both aggregators start from the same held-out numbers for a given seed
     by = {(r["aggregator"], r["seed"]): r for r in report["runs"]}
     assert by[("sum", 1)]["curve"][0] == by[("taros", 1)]["curve"][0]
