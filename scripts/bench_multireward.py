@@ -61,6 +61,7 @@ COMPOSITES = {
                     "still_strict": "eval/video_geneval/strict/static",      # the "standing still" tag (the shortcut)
                     "consistency": "eval/video_consistency",                  # pixel temporal consistency
                     "sharpness": "eval/video_sharpness"},                     # per-frame edge sharpness
+        "optional": {"still_strict"},  # absent when the held-out subset (--eval-num-prompts) has no static prompt
     },
 }
 
@@ -86,11 +87,14 @@ def run(job: tuple[str, int, dict]) -> dict:
 
     def point() -> dict:
         result = trainer.evaluate()
-        missing = [k for k in composite["metrics"].values() if k not in result]
+        optional = composite.get("optional", set())
+        missing = [k for n, k in composite["metrics"].items() if k not in result and n not in optional]
         if missing:
             raise KeyError(f"held-out evaluation lacks {missing}: are the composite's terms named "
                            f"{composite['terms']}? got {sorted(result)}")
-        return {"iteration": trainer.iteration, **{name: result[key] for name, key in composite["metrics"].items()}}
+        values = {name: result.get(key) for name, key in composite["metrics"].items()}
+        values = {n: None if v is None or v != v else v for n, v in values.items()}  # NaN: no sample of that tag
+        return {"iteration": trainer.iteration, **values}
 
     curve, train, clock = [point()], [], 0.0
     while trainer.iteration < opts["iterations"]:
@@ -130,6 +134,9 @@ def summarise(runs: list[dict], composite: dict) -> dict:
         for name in composite["metrics"]:
             before = [r["curve"][0][name] for r in mine]
             after = [r["curve"][-1][name] for r in mine]
+            if None in before + after:  # an optional metric the evaluation did not cover
+                row[name] = None
+                continue
             row[name] = {"before": _stats(before), "after": _stats(after),
                          "change": _stats([a - b for a, b in zip(after, before)])}
         saturation = {}
@@ -157,7 +164,8 @@ def plot(report: dict, path: Path) -> None:
     for ax, name in zip(axes, metrics):
         for i, agg in enumerate(aggs):
             for j, r in enumerate(x for x in report["runs"] if x["aggregator"] == agg):
-                ax.plot([p["iteration"] for p in r["curve"]], [p[name] for p in r["curve"]], color=f"C{i}",
+                points = [p for p in r["curve"] if p[name] is not None]
+                ax.plot([p["iteration"] for p in points], [p[name] for p in points], color=f"C{i}",
                         marker="o", ms=3, alpha=0.8, label=agg if j == 0 else None)
         ax.set(xlabel="iteration", ylabel=f"held-out {name}" + (" (−kB)" if name == "jpeg" else ""))
     axes[0].legend(fontsize=8)

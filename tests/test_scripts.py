@@ -132,6 +132,29 @@ def test_bench_multireward_trains_each_aggregator_on_the_same_budget(tmp_path):
         abs(row["change"]["mean"] - (row["after"]["mean"] - row["before"]["mean"])) < 1e-3
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_bench_multireward_video_composite_reports_each_terms_saturation(tmp_path):
+    """``--composite video`` on the random Wan twin at the world's size: video GenEval + consistency + sharpness."""
+    bench = load_script("bench_multireward")
+    report = bench.main([
+        "--composite", "video", "--model", "tiny_wan", "--iterations", "1", "--eval-every", "1", "--seeds", "0",
+        "--eval-num-prompts", "2", "--threads", "1", "--out", str(tmp_path / "v.json"), "--weight", "video_sharpness=0.25",
+        "--set", "model.height=64", "--set", "model.width=64", "--set", "model.num_frames=13",
+        "--set", "sampler.num_steps=2", "--set", "sampler.eval_num_steps=2", "--set", "trainer.prompts_per_iteration=1",
+        "--set", "trainer.group_size=2", "--set", "trainer.train_batch_size=2",
+        "--set", "trainer.gradient_accumulation_steps=1", "--set", "trainer.eval_samples_per_tag=null",
+    ])
+    assert report["weights"] == {"video_geneval": 1.0, "video_consistency": 0.5, "video_sharpness": 0.25}
+    assert "reward=video_composite" in report["overrides"] and (tmp_path / "v.png").is_file()
+    for run in report["runs"]:
+        first = run["curve"][0]
+        assert set(first) == {"iteration", "geneval", "geneval_partial", "still_strict", "consistency", "sharpness"}
+        assert 0 <= first["consistency"] <= 1 and 0 <= first["sharpness"] <= 1
+        assert first["still_strict"] is None  # the two held-out prompts hold no static one
+        assert set(run["train"][0]) >= {f"{t}/group_std_mean" for t in ("video_geneval", "video_consistency", "video_sharpness")}
+    assert set(report["summary"]) == {"sum", "taros"}
+
+
 def test_gradient_snr_compares_independent_policy_gradients(tmp_path):
     snr = load_script("gradient_snr")
     overrides = ["model=tiny_sd3", "reward=jpeg_compressibility", "sampler.num_steps=4", "algo.window.size=2",
