@@ -330,8 +330,12 @@ class Gallery:
         table = pa.table(columns)
         parquet = folder / f"{stem}.parquet"
         tmp = folder / f".{stem}.parquet.{uuid.uuid4().hex[:8]}"
-        pq.write_table(table, tmp)
-        os.replace(tmp, parquet)  # a half-written file never carries the final name
+        try:
+            pq.write_table(table, tmp)
+            os.replace(tmp, parquet)  # a half-written file never carries the final name
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a failed write (disk full) leaves no hidden partial file behind
+            raise
 
         notes = [[f"reward {float(rewards_t[i]):.3f}"] + ([] if adv_t is None else [f"adv {float(adv_t[i]):+.3f}"])
                  for i in range(n)]

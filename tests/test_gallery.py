@@ -210,6 +210,22 @@ def test_bad_inputs_say_what_is_wrong(tmp_path):
     assert not (tmp_path / "gallery" / "train" / "step-000000.parquet").exists()
 
 
+def test_a_failed_parquet_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    import flowgrpo.gallery as gallery_module
+
+    def full_disk(table, where, *args, **kwargs):
+        Path(where).write_bytes(b"PAR1 half")  # half a file, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where))
+
+    monkeypatch.setattr(gallery_module.pq, "write_table", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        Gallery(tmp_path).log(3, ["a red circle"], torch.rand(1, 3, 16, 16), rewards=torch.tensor([0.5]))
+    assert [p.name for p in (tmp_path / "gallery").rglob("*") if p.is_file()] == []
+
+
 def test_long_prompts_wrap_and_every_label_line_is_drawn(tmp_path):
     prompts, media, rewards, _, advantages = _batch(b=2, h=64, w=64)
     prompts = ["a photo of " + " ".join(["an extraordinarily purple elephant"] * 20), "two dogs"]
