@@ -171,6 +171,39 @@ def test_an_exception_checkpoints_the_last_iteration_and_resuming_equals_an_unin
 
 
 @pytest.mark.usefixtures("one_thread")
+def test_a_crash_whose_summary_cannot_be_written_still_raises_its_own_error(tmp_path, monkeypatch):
+    """The reward fails and then the disk is full: the crash checkpoint is named, the summary's failure is noted,
+    the original error propagates (neither the note nor the write failure replaces it)."""
+    import errno
+    import os
+
+    import flowgrpo.trainer as trainer_module
+
+    trainer = make(tmp_path, "trainer.iterations=2", "trainer.checkpoint_every=0")
+    real_reward, real_write = trainer.reward, trainer_module.atomic_write_text
+
+    def reward(images, prompts, metadata=None):
+        if trainer.iteration == 1:
+            raise ConnectionError("reward server down")
+        return real_reward(images, prompts, metadata)
+
+    def write(path, text):
+        if Path(path).name == "summary.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_write(path, text)
+
+    trainer.reward = reward
+    monkeypatch.setattr(trainer_module, "atomic_write_text", write)
+    with pytest.raises(ConnectionError, match="reward server down") as info:
+        trainer.fit()
+    note = "\n".join(info.value.__notes__)
+    assert f"could not write {tmp_path / 'summary.json'}: No space left on device" in note, note
+    assert "checkpoint of the 1 completed iterations" in note and "resume with trainer.resume=" in note
+    assert not (tmp_path / "summary.json").exists()
+    assert [s for s, _ in CheckpointManager(tmp_path / "checkpoints").checkpoints()] == [1]
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_sigterm_still_stops_cleanly_without_an_error_summary(tmp_path):
     import os
     import signal
