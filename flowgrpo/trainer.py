@@ -110,6 +110,17 @@ class TrainerContext(UpdateContext):
         return _gen(self._trainer.cfg.trainer.seed, _ALGO, self.iteration, self.epoch, *keys)
 
 
+def degenerate_flags(samples: torch.Tensor, max_side: int = 128) -> torch.Tensor:
+    """float ``[B]``: 1 where a decoded image ``[B, 3, H, W]`` or clip ``[B, T, 3, H, W]`` is flat or pure noise
+    (:func:`rewards.images.degenerate`), judged on every ``s``-th pixel so that large images stay cheap (a strided
+    subsample keeps a flat image flat and noise noise)."""
+    from rewards.images import degenerate
+
+    stride = max(1, min(samples.shape[-2:]) // max_side)
+    flags = degenerate(samples[..., ::stride, ::stride].detach().cpu())
+    return torch.tensor([flag is not None for flag in flags], dtype=torch.float32)
+
+
 class Trainer:
     """GRPO over a diffusers pipeline, configured by the composed Hydra config ``cfg`` (``conf/train.yaml``).
 
@@ -360,6 +371,7 @@ class Trainer:
         out = self.reward(batch.images, batch.prompts, batch.metadata)
         batch.rewards = out.scores.to(self.device)
         batch.components = {k: v.to(self.device) for k, v in out.components.items()}
+        batch.degenerate = degenerate_flags(batch.images).to(self.device)
         return batch
 
     # ------------------------------------------------------------------ 4. advantage
@@ -733,6 +745,8 @@ class Trainer:
         for k, v in batch.components.items():
             g = gathered[k] = self.acc.gather(v.contiguous())
             out[f"reward/{k}"] = float(torch.nanmean(g)) if torch.any(~torch.isnan(g)) else float("nan")
+        if batch.degenerate is not None:  # a collapsing model (all black, flat, noise) shows here first
+            out["reward/degenerate_fraction"] = float(self.acc.gather(batch.degenerate.contiguous()).mean())
         weighted = list(getattr(self.reward, "weights", None) or ())  # reward=multi: how saturated each term is
         if weighted:
             out.update({f"groups/{k}": v for k, v in

@@ -450,3 +450,30 @@ def test_remote_reward_gives_up_after_its_window_naming_the_url():
     with pytest.raises(RemoteRewardError, match=rf"127\.0\.0\.1:{port}/score: no answer.*gave up after \d+ attempts"):
         reward(torch.rand(1, 3, 8, 8), ["a"])
     assert 0.35 < time.monotonic() - start < 3
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_fraction_of_degenerate_samples_is_logged_every_iteration(tmp_path):
+    """A collapsing model is visible in the training rows whatever the reward: half the decoded images are made
+    flat black -> reward/degenerate_fraction 0.5; large images are judged on a strided subsample, with the same
+    verdicts."""
+    from flowgrpo.trainer import degenerate_flags
+
+    trainer = make(tmp_path, "trainer.iterations=1")
+    decode = trainer.adapter.decode
+
+    def half_black(latents):
+        images = decode(latents)
+        images[::2] = 0.0
+        return images
+
+    trainer.adapter.decode = half_black
+    scalars = trainer.step()
+    assert scalars["reward/degenerate_fraction"] == 0.5
+    big = torch.ones(3, 3, 512, 512)
+    big[1] = torch.rand(3, 512, 512, generator=torch.Generator().manual_seed(0))
+    big[2, :, 100:200, 300:400] = 0.0
+    assert degenerate_flags(big).tolist() == [1.0, 1.0, 0.0]
+    clips = torch.ones(2, 5, 3, 64, 64)
+    clips[1, :, :, 10:20, 10:20] = 0.0
+    assert degenerate_flags(clips).tolist() == [1.0, 0.0]

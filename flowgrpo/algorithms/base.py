@@ -163,6 +163,7 @@ class Batch:
     images: torch.Tensor | None = None
     rewards: torch.Tensor | None = None
     components: dict[str, torch.Tensor] = field(default_factory=dict)
+    degenerate: torch.Tensor | None = None          # [n] 1.0 where the decoded sample is flat or pure noise
     advantages: torch.Tensor | None = None          # [n] this process's rows
     global_rewards: torch.Tensor | None = None      # [N·G] gathered from every process
     global_advantages: torch.Tensor | None = None   # [N·G]
