@@ -489,7 +489,7 @@ def parse_args(argv=None):
     p.add_argument("--kl-weight", type=float, default=1e-3, help="KL to N(0,I), per latent element")
     p.add_argument("--ink-weight", type=float, default=5.0, help="extra reconstruction weight of the objects' pixels")
     p.add_argument("--stat-batches", type=int, default=8, help="batches for the per-channel latent mean / std")
-    p.add_argument("--flow-steps", type=int, default=3000)
+    p.add_argument("--flow-steps", type=int, default=3500)
     p.add_argument("--batch", type=int, default=32, help="flow-matching batch")
     p.add_argument("--lr", type=float, default=5e-4, help="flow-matching peak lr")
     p.add_argument("--bank-size", type=int, default=2048, help="encoded clips the flow stage draws from (0: fresh clips every step)")

@@ -282,9 +282,13 @@ def test_real_models_validate_and_fail_clearly_offline(hydra_compose, name, monk
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = validate(hydra_compose([f"model={name}"]))
     assert cfg.model.lora.target_modules, "every model names its LoRA target modules"
-    if name == "sd3_shapes":  # the embedded asset ships in assets/: it must load offline
+    if name == "sd3_shapes":  # the embedded assets ship in assets/: they must load offline
         adapter = build_adapter(cfg.model)
         assert adapter.family == "sd3" and adapter.pipe.text_encoder_3 is None
+        return
+    if name == "wan_shapes":
+        adapter = build_adapter(cfg.model)
+        assert adapter.family == "wan" and type(adapter.pipe).__name__ == "WanPipeline"
         return
     with pytest.raises((OSError, FileNotFoundError), match=r"model\.pretrained"):
         build_adapter(cfg.model)
