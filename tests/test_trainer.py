@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
 
 import flowgrpo.config  # noqa: F401  (registers the schemas)
 from flowgrpo.trainer import Trainer
@@ -341,6 +342,19 @@ def test_an_update_raises_the_log_prob_of_positive_advantage_samples(tmp_path):
     assert corr > 0.5 and float((adv * change.cpu()).sum()) > 0, (corr, adv, change)
 
 
+def _short_run_evals(tmp_path, iterations: int, *overrides: str) -> tuple[dict, dict, DictConfig]:
+    """Run ``python train.py <overrides>`` for ``iterations`` with held-out evaluation before and after only;
+    returns the first and last evaluation rows of metrics.jsonl and the config."""
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("train", overrides=[*overrides, "logger=none", f"trainer.iterations={iterations}",
+                                          f"trainer.eval_every={iterations}", "trainer.gallery_every=0",
+                                          "trainer.checkpoint_every=0", f"trainer.output_dir={tmp_path}"])
+    Trainer(cfg, tmp_path).fit()
+    evals = [row for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "eval/geneval" in row]
+    assert (evals[0]["iteration"], evals[-1]["iteration"]) == (0, iterations)
+    return evals[0], evals[-1], cfg
+
+
 @pytest.mark.slow
 def test_the_default_run_raises_held_out_geneval(tmp_path):
     """``python train.py`` on the embedded pipeline, shortened to 30 iterations: held-out GenEval rises.
@@ -350,16 +364,8 @@ def test_the_default_run_raises_held_out_geneval(tmp_path):
     training prompts and the held-out ones alike. Measured on 2 cores: strict 0.233 -> 0.36, partial 0.394 -> 0.48
     at 25 iterations of the full 100 (docs/results.md); ~2.5 min here.
     """
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose("train", overrides=["logger=none", "trainer.iterations=30", "trainer.eval_every=30",
-                                          "trainer.gallery_every=0", "trainer.checkpoint_every=0",
-                                          f"trainer.output_dir={tmp_path}"])  # fmt: skip
+    before, after, cfg = _short_run_evals(tmp_path, 30)
     assert cfg.model.pretrained == "assets/tiny-sd3-shapes" and cfg.reward.name == "geneval"
-    trainer = Trainer(cfg, tmp_path)
-    trainer.fit()
-    evals = [row for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "eval/geneval" in row]
-    before, after = evals[0], evals[-1]
-    assert (before["iteration"], after["iteration"]) == (0, 30)
     assert after["eval/geneval"] - before["eval/geneval"] > 0.06, (before["eval/geneval"], after["eval/geneval"])
     assert after["eval/geneval_partial"] - before["eval/geneval_partial"] > 0.05, (
         before["eval/geneval_partial"], after["eval/geneval_partial"])
@@ -375,15 +381,7 @@ def test_the_video_experiment_raises_held_out_video_geneval(tmp_path):
     cores (Flow-GRPO, its 3 noisiest steps): partial 0.339 -> 0.394 at 25 iterations of the full 50
     (docs/results.md); ~7 min here.
     """
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose("train", overrides=["experiment=video_shapes", "logger=none", "trainer.iterations=25",
-                                          "trainer.eval_every=25", "trainer.gallery_every=0",
-                                          "trainer.checkpoint_every=0", f"trainer.output_dir={tmp_path}"])
+    before, after, cfg = _short_run_evals(tmp_path, 25, "experiment=video_shapes")
     assert cfg.model.pretrained == "assets/tiny-wan-shapes" and cfg.reward.name == "video_geneval"
-    trainer = Trainer(cfg, tmp_path)
-    trainer.fit()
-    evals = [row for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "eval/geneval" in row]
-    before, after = evals[0], evals[-1]
-    assert (before["iteration"], after["iteration"]) == (0, 25)
     assert after["eval/geneval_partial"] - before["eval/geneval_partial"] > 0.03, (
         before["eval/geneval_partial"], after["eval/geneval_partial"])
