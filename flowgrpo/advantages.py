@@ -97,6 +97,12 @@ def weighted_advantages(
     return per_reward_group_advantages(components, weights, group_size, clip=clip, **kw)
 
 
+def _group_spread(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For grouped values ``[P, G]``: the fraction of groups with no spread (constant: no learning signal) and the
+    mean within-group population std."""
+    return (r.amax(dim=1) == r.amin(dim=1)).double().mean(), r.std(dim=1, correction=0).mean()
+
+
 def advantage_stats(advantages: torch.Tensor, rewards: torch.Tensor, group_size: int) -> dict[str, float]:
     """Scalars to log for phase 4 (python floats).
 
@@ -109,10 +115,10 @@ def advantage_stats(advantages: torch.Tensor, rewards: torch.Tensor, group_size:
     a = _groups(advantages, group_size, "advantages").flatten()
     if a.numel() != r.numel():
         raise ValueError(f"{a.numel()} advantages for {r.numel()} rewards")
-    group_std = r.std(dim=1, correction=0)
+    zero_std, group_std = _group_spread(r)
     stats = {
-        "zero_std_group_fraction": (r.amax(dim=1) == r.amin(dim=1)).double().mean(),
-        "reward_group_std_mean": group_std.mean(),
+        "zero_std_group_fraction": zero_std,
+        "reward_group_std_mean": group_std,
         "reward_mean": r.mean(),
         "reward_std": r.flatten().std(correction=0),
         "adv_mean": a.mean(),
@@ -130,9 +136,9 @@ def component_group_stats(components: dict[str, torch.Tensor], names, group_size
     ``{name}/group_std_mean`` (mean within-group population std), for each of ``names``."""
     out = {}
     for name in names:
-        r = _groups(components[name], group_size, name)
-        out[f"{name}/zero_std_group_fraction"] = float((r.amax(dim=1) == r.amin(dim=1)).double().mean())
-        out[f"{name}/group_std_mean"] = float(r.std(dim=1, correction=0).mean())
+        zero_std, group_std = _group_spread(_groups(components[name], group_size, name))
+        out[f"{name}/zero_std_group_fraction"] = float(zero_std)
+        out[f"{name}/group_std_mean"] = float(group_std)
     return out
 
 

@@ -22,9 +22,10 @@ __all__ = ["requested_processes", "parent_argv", "check_launch"]
 def _launcher_args(argv: Sequence[str]) -> list[str]:
     """The ``accelerate launch`` options of a launcher command line (those before the training script)."""
     argv = list(argv)
+    # `accelerate launch ...` or `python -m accelerate.commands.launch ...`
     marks = [i for i, a in enumerate(argv) if a == "launch" or a.endswith("accelerate.commands.launch")]
     if not marks:
-        return []  # `accelerate launch ...` or `python -m accelerate.commands.launch ...`
+        return []
     start = marks[0] + 1
     out = []
     for arg in argv[start:]:

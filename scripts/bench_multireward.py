@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
 from bench_iteration import compose, pool_results  # noqa: E402
+from bench_time_to_reward import RECIPES  # noqa: E402
 
 COMPOSITES = {
     "image": {
@@ -53,8 +54,8 @@ COMPOSITES = {
                     "jpeg": "eval/jpeg_compressibility"},               # −kB at quality 95 (higher = more compressible)
     },
     "video": {
-        "model": "wan_shapes", "overrides": ["reward=video_composite", "data=motion_shapes", "algo=grpo",
-                                             "sampler=sde", "algo.timestep_fraction=0.3", "algo.timestep_selection=first"],
+        # the experiment=video_shapes algorithm: Flow-GRPO on its 3 noisiest steps (the shared recipe)
+        "model": "wan_shapes", "overrides": ["reward=video_composite", "data=motion_shapes", *RECIPES["flow_grpo"]],
         "terms": ["video_geneval", "video_consistency", "video_sharpness"],
         "metrics": {"geneval": "eval/video_geneval/geneval",                  # video GenEval overall (strict)
                     "geneval_partial": "eval/video_geneval/geneval_partial",  # partial credit, mean over tags
@@ -93,7 +94,9 @@ def run(job: tuple[str, int, dict]) -> dict:
             raise KeyError(f"held-out evaluation lacks {missing}: are the composite's terms named "
                            f"{composite['terms']}? got {sorted(result)}")
         values = {name: result.get(key) for name, key in composite["metrics"].items()}
-        values = {n: None if v is None or v != v else v for n, v in values.items()}  # NaN: no sample of that tag
+        for name in optional:  # NaN or absent: the subset holds no sample of that tag
+            if values[name] is None or values[name] != values[name]:
+                values[name] = None
         return {"iteration": trainer.iteration, **values}
 
     curve, train, clock = [point()], [], 0.0
