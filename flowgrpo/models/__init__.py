@@ -5,6 +5,7 @@
 """
 
 from .base import FlowAdapter, PromptEmbeds
+from .causal_wan import CacheState, CausalWan
 from .flux import FluxAdapter
 from .load import load_adapter
 from .sd3 import SD3Adapter
@@ -12,6 +13,8 @@ from .tiny import build_tiny_pipeline
 from .wan import WanAdapter
 
 __all__ = [
+    "CacheState",
+    "CausalWan",
     "FlowAdapter",
     "FluxAdapter",
     "PromptEmbeds",
