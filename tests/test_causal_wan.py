@@ -94,7 +94,7 @@ def test_teacher_forcing_sequence_trains_what_streaming_samples(data):
     g = torch.Generator().manual_seed(3)
     noisy = torch.randn(x.shape, generator=g, dtype=torch.float64)
     t_block = torch.tensor([[900.0, 300.0, 650.0, 100.0], [50.0, 999.0, 400.0, 700.0]], dtype=torch.float64)
-    for sink, window in ((0, None), (1, 4)):
+    for sink, window in ((0, None), (2, 4)):
         wan = CausalWan(tiny_wan(), block_frames=2, sink_frames=sink, window_frames=window)
         per_frame = torch.cat([torch.zeros(2, 8, dtype=torch.float64), t_block.repeat_interleave(2, 1)], 1)
         mask = teacher_forcing_mask(8, 2, sink_frames=sink, window_frames=window)
@@ -112,14 +112,14 @@ def test_teacher_forcing_sequence_trains_what_streaming_samples(data):
 def test_sink_and_rolling_window_equal_cache_eviction(data):
     x, text = data
     t = t_(2, 600)
-    mask = stream_mask(8, 2, sink_frames=1, window_frames=4)
-    # the window frames: block [6, 8) attends to the sink 0 and frames 4..7
-    assert mask[6].tolist() == [True, False, False, False, True, True, True, True]
-    wan = CausalWan(tiny_wan(), block_frames=2, sink_frames=1, window_frames=4, cache_frames=5)
+    mask = stream_mask(8, 2, sink_frames=2, window_frames=4)
+    # the block [6, 8) attends to the sink block 0, 1 and the window 4..7 (its own block included)
+    assert mask[6].tolist() == [True, True, False, False, True, True, True, True]
+    wan = CausalWan(tiny_wan(), block_frames=2, sink_frames=2, window_frames=4, cache_frames=6)
     full = wan.full(x, t, text, mask=mask)
     assert diff(stream(wan, x, t, text, 2), full) < TIGHT
-    assert wan.cache.positions == [0, 4, 5, 6, 7]               # evicted down to sink + newest 4, never re-roped
-    assert wan.cache.keys[0].shape[1] == 5
+    assert wan.cache.positions == [0, 1, 4, 5, 6, 7]            # evicted down to sink + newest 4, never re-roped
+    assert wan.cache.keys[0].shape[1] == 6
     # the window matters: the same stream without it differs
     plain = CausalWan(tiny_wan(), block_frames=2)
     assert diff(stream(plain, x, t, text, 2), full) > 1e-3
@@ -127,31 +127,31 @@ def test_sink_and_rolling_window_equal_cache_eviction(data):
 
 @torch.no_grad()
 def test_routed_selection_equals_custom_mask_shared_and_per_row(data):
-    """The block at frame 6 attends to the sink 0, a routed older frame and the nearest frame (5); other blocks
+    """The block at frame 6 attends to the sink block (0, 1), a routed older frame and the nearest frame (5); other blocks
     are unrouted. Per-row routes (a different older frame per batch row) equal per-row masked forwards."""
     x, text = data
     t = t_(2, 600)
-    wan = CausalWan(tiny_wan(), block_frames=2, sink_frames=1, window_frames=3)
+    wan = CausalWan(tiny_wan(), block_frames=2, sink_frames=2, window_frames=4)
 
     def routed_mask(older):
-        mask = stream_mask(8, 2, sink_frames=1, window_frames=3)
+        mask = stream_mask(8, 2, sink_frames=2, window_frames=4)
         mask[6:8, :6] = False
-        mask[6:8, [0, older, 5]] = True
+        mask[6:8, [0, 1, older, 5]] = True
         return mask
 
     def route_for(older):
-        return lambda offset, frames, cached: [0, older, 5] if offset == 6 else wan.context_positions(offset, frames)
+        return lambda offset, frames, cached: [0, 1, older, 5] if offset == 6 else wan.context_positions(offset, frames)
 
     with wan.routed(route_for(2)):
         streamed = stream(wan, x, t, text, 2)
     assert diff(streamed, wan.full(x, t, text, mask=routed_mask(2))) < TIGHT
-    unrouted = wan.full(x, t, text, mask=stream_mask(8, 2, sink_frames=1, window_frames=3))
+    unrouted = wan.full(x, t, text, mask=stream_mask(8, 2, sink_frames=2, window_frames=4))
     assert diff(streamed, unrouted) > 1e-3
 
     def per_row(offset, frames, cached):
         if offset != 6:
             return torch.tensor([wan.context_positions(offset, frames)] * 2)
-        return torch.tensor([[0, 2, 5], [0, 3, 5]])
+        return torch.tensor([[0, 1, 2, 5], [0, 1, 3, 5]])
 
     wan.reset()
     with wan.routed(per_row):
@@ -166,7 +166,7 @@ def test_routed_selection_equals_custom_mask_shared_and_per_row(data):
 @torch.no_grad()
 def test_save_restore_and_batched_fork_reproduce_each_branch(data):
     x, text = data
-    wan = CausalWan(tiny_wan(), block_frames=2, sink_frames=1, window_frames=4)
+    wan = CausalWan(tiny_wan(), block_frames=2, sink_frames=2, window_frames=4)
     for s in range(0, 4, 2):
         wan.write(x[:, :, s:s + 2], text, frame_offset=s)
     prefix = wan.save_state()
@@ -194,28 +194,43 @@ def test_save_restore_and_batched_fork_reproduce_each_branch(data):
 
 
 @torch.no_grad()
-def test_recache_after_prompt_switch_keeps_sink_and_rewrites_the_rest(data):
-    x, text = data
-    new_text = torch.randn(text.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-    wan = CausalWan(tiny_wan(), block_frames=2, sink_frames=1, window_frames=4)
-    for s in range(0, 6, 2):
-        wan.write(x[:, :, s:s + 2], text, frame_offset=s)
-    old = wan.save_state()
-    wan.recache(x[:, :, :6], new_text, frame_offset=0)
-    # reference: the sink frame as written under the old prompt; frame 1 (the rest of the sink's block) and the
-    # later blocks written as the write passes would have, had the new prompt been in force
-    ref = CausalWan(tiny_wan(), block_frames=2, sink_frames=1, window_frames=4)
-    ref.write(x[:, :, :2], text, frame_offset=0)
-    ref.write(x[:, :, 1:2], new_text, frame_offset=1)
-    ref.write(x[:, :, 2:4], new_text, frame_offset=2)
-    ref.write(x[:, :, 4:6], new_text, frame_offset=4)
-    assert wan.cache.positions == ref.cache.positions == [0, 1, 2, 3, 4, 5]
-    for layer in range(3):
-        assert diff(wan.cache.keys[layer], ref.cache.keys[layer]) < TIGHT
-        assert diff(wan.cache.values[layer], ref.cache.values[layer]) < TIGHT
-        assert diff(wan.cache.keys[layer][:, 0], old.keys[layer][:, 0]) == 0      # the sink is kept
-    # (layer 0 keys come before any cross-attention: the prompt reaches the keys of the later layers)
-    assert diff(wan.cache.keys[2][:, 1:], old.keys[2][:, 1:]) > 1e-3              # the rest is rewritten
+def test_prompt_switch_with_recache_equals_teacher_forcing_with_per_frame_prompts(data):
+    """Blocks 0-1 under prompt A, a switch at frame 4: the sink block keeps A, the window before the switch is
+    re-written under B, blocks 2-3 are read under B. One full forward over [sink, recached window, segment B;
+    noisy segment B] with text_frames (sink: A, the rest: B) gives the same outputs."""
+    x, text_a = data
+    text_b = torch.randn(text_a.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    wan = CausalWan(tiny_wan(), block_frames=2, sink_frames=2, window_frames=4)
+    g = torch.Generator().manual_seed(11)
+    noisy = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    t_block = torch.tensor([[300.0, 800.0], [650.0, 100.0]], dtype=torch.float64)   # blocks 2, 3 per row
+    for s in (0, 2):
+        wan.write(x[:, :, s:s + 2], text_a, frame_offset=s)
+    before = wan.save_state()
+    r = wan.recache_start(4)
+    assert r == 2                                            # the window before the switch, after the sink
+    wan.recache(x[:, :, r:4], text_b, frame_offset=r)
+    assert wan.cache.positions == [0, 1, 2, 3]
+    for layer in range(3):                                   # the sink is kept, the window rewritten
+        assert diff(wan.cache.keys[layer][:, :2], before.keys[layer][:, :2]) == 0
+    assert diff(wan.cache.keys[2][:, 2:], before.keys[2][:, 2:]) > 1e-3     # (layer 0 keys precede cross-attention)
+    reads = []
+    for k, s in enumerate((4, 6)):
+        reads.append(wan(noisy[:, :, s:s + 2], t_block[:, k], text_b, frame_offset=s))
+        wan.write(x[:, :, s:s + 2], text_b, frame_offset=s)
+    clean_pos, noisy_pos = [0, 1, 2, 3, 4, 5, 6, 7], [4, 5, 6, 7]
+    seq = torch.cat([x, noisy[:, :, 4:]], 2)
+    per_frame = torch.cat([torch.zeros(2, 8, dtype=torch.float64), t_block.repeat_interleave(2, 1)], 1)
+    mask = teacher_forcing_mask(clean_pos, 2, sink_frames=2, window_frames=4, noisy=noisy_pos)
+    full = wan.full(seq, per_frame, torch.cat([text_a, text_b], 1), mask=mask,
+                    frame_positions=clean_pos + noisy_pos, text_frames=[0, 0] + [1] * 10)
+    assert diff(torch.cat(reads, 2), full[:, :, 8:]) < TIGHT
+    # negative controls: the whole sequence under B (the sink's prompt forgotten), or no re-cache at all
+    wrong = wan.full(seq, per_frame, text_b, mask=mask, frame_positions=clean_pos + noisy_pos)
+    assert diff(wrong[:, :, 8:], full[:, :, 8:]) > 1e-4
+    wan.restore_state(before)
+    stale = wan(noisy[:, :, 4:6], t_block[:, 0], text_b, frame_offset=4)
+    assert diff(stale, reads[0]) > 1e-4
 
 
 def test_gradient_checkpointing_with_cache_matches_plain_backward(data):
@@ -228,7 +243,7 @@ def test_gradient_checkpointing_with_cache_matches_plain_backward(data):
         if checkpointing:
             model.enable_gradient_checkpointing()
         model.train()
-        wan = CausalWan(model, block_frames=2, sink_frames=1, window_frames=4)
+        wan = CausalWan(model, block_frames=2, sink_frames=2, window_frames=4)
         wan.write(x[:, :, :2], text, frame_offset=0)
         a = wan(x[:, :, 2:4], t_(2, 500), text, frame_offset=2)
         wan.write(x[:, :, 2:4], text, frame_offset=2)

@@ -52,7 +52,7 @@ def _stream(wan, text, noise, renoise, sigmas):
 
 @torch.no_grad()
 def test_stream_rollout_equals_teacher_forcing_forward_and_rescores_exactly():
-    wan = CausalWan(tiny_wan(), block_frames=BLOCK, sink_frames=1, window_frames=4)
+    wan = CausalWan(tiny_wan(), block_frames=BLOCK, sink_frames=2, window_frames=4)
     text = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     sigmas = stream_sigmas(STEPS, shift=5.0)
     noise, renoise = stream_noise(2, BLOCKS, STEPS, (C, BLOCK, H, W), generator=torch.Generator().manual_seed(3))
@@ -70,7 +70,7 @@ def test_stream_rollout_equals_teacher_forcing_forward_and_rescores_exactly():
         assert torch.allclose(traj.log_probs[:, :, j].double(), expected, atol=1e-3)
     # every recorded prediction == one teacher-forcing forward: [clean blocks ; the recorded input of each block]
     clean = traj.video().double()
-    mask = teacher_forcing_mask(BLOCKS * BLOCK, BLOCK, sink_frames=1, window_frames=4)
+    mask = teacher_forcing_mask(BLOCKS * BLOCK, BLOCK, sink_frames=2, window_frames=4)
     for j in range(STEPS):
         noisy = torch.cat(traj.inputs[:, :, j].double().unbind(1), 2)
         t = torch.cat([torch.zeros(2, BLOCKS * BLOCK, dtype=torch.float64),
@@ -87,7 +87,7 @@ def test_stream_rollout_equals_teacher_forcing_forward_and_rescores_exactly():
 
 @torch.no_grad()
 def test_batched_stream_rows_are_independent():
-    wan = CausalWan(tiny_wan(), block_frames=BLOCK, sink_frames=1, window_frames=4)
+    wan = CausalWan(tiny_wan(), block_frames=BLOCK, sink_frames=2, window_frames=4)
     text = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     sigmas = stream_sigmas(3, shift=3.0)
     noise, renoise = stream_noise(3, BLOCKS, 3, (C, BLOCK, H, W), generator=torch.Generator().manual_seed(5))

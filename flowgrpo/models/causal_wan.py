@@ -62,7 +62,7 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import get_1d_rotary_pos_embed
-from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed, _get_qkv_projections
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanRotaryPosEmbed, _get_qkv_projections
 
 __all__ = ["CausalWan", "CacheState", "stream_mask", "teacher_forcing_mask", "RouteFn"]
 
@@ -112,6 +112,13 @@ class CacheState:
         """The cache of a subset of batch rows."""
         return self._map(lambda t: t[rows])
 
+    def index_frames(self, slots: Sequence[int]) -> "CacheState":
+        """The cache of a subset of cached frames (by slot, kept in position order)."""
+        idx = torch.as_tensor(list(slots), dtype=torch.long)
+        out = self._map(lambda t: t[:, idx.to(t.device)])
+        out.positions = [self.positions[i] for i in idx.tolist()]
+        return out
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
 
@@ -130,6 +137,8 @@ class _Call:
     order: torch.Tensor | None = None       # write: permutation putting kept + new frames in position order
     tokens_per_frame: int = 0
     token_mask: torch.Tensor | None = None  # full mode: ``mask`` expanded to tokens, built by the first layer
+    text_frames: torch.Tensor | None = None  # full mode: [F] which prompt of the concatenated text each frame reads
+    text_mask: torch.Tensor | None = None    # ``text_frames`` as a cross-attention mask, built by the first layer
     written: set = field(default_factory=set)
 
     def mark_written(self, layer: int) -> bool:
@@ -138,6 +147,13 @@ class _Call:
             return False
         self.written.add(layer)
         return True
+
+
+class _CallSlot:
+    """The call the blocks are executing: set by each block's self-attention from the call it was handed (also when
+    a checkpointed block is recomputed), read by that block's cross-attention, which gets no rotary embedding."""
+
+    call: _Call | None = None
 
 
 class _StreamRope(WanRotaryPosEmbed):
@@ -206,13 +222,14 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 class _CausalSelfAttnProcessor:
     """Wan's self-attention with a frame mask (full mode) or a KV cache (cache mode)."""
 
-    def __init__(self, layer: int):
-        self.layer = layer
+    def __init__(self, layer: int, slot: _CallSlot):
+        self.layer, self.slot = layer, slot
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         if encoder_hidden_states is not None or getattr(attn, "add_k_proj", None) is not None:
             raise NotImplementedError("the causal processor is for Wan's text-to-video self-attention (attn1)")
         call = rotary_emb[2] if rotary_emb is not None and len(rotary_emb) == 3 else None
+        self.slot.call = call
         query, key, value = _get_qkv_projections(attn, hidden_states, None)
         query, key = attn.norm_q(query), attn.norm_k(key)
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
@@ -257,36 +274,76 @@ class _CausalSelfAttnProcessor:
         return torch.cat([ctx_k.flatten(1, 2), key], 1), torch.cat([ctx_v.flatten(1, 2), value], 1)
 
 
+class _SegmentedCrossAttnProcessor:
+    """Wan's text cross-attention; in a full-mode call with ``text_frames``, each frame attends only the tokens of
+    its own prompt among several concatenated ones (exactly a separate cross-attention per prompt: the softmax runs
+    over that prompt's tokens alone). Used to train on streams whose prompt changes."""
+
+    def __init__(self, slot: _CallSlot):
+        self.slot, self.base = slot, WanAttnProcessor()
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        call = self.slot.call
+        if call is not None and call.text_frames is not None:
+            if call.text_mask is None:
+                segments = int(call.text_frames.max()) + 1
+                tokens = encoder_hidden_states.shape[1] // segments
+                owner = torch.arange(segments * tokens, device=hidden_states.device) // tokens
+                frame_of = call.text_frames.to(hidden_states.device).repeat_interleave(call.tokens_per_frame)
+                call.text_mask = (frame_of[:, None] == owner[None, :])[None, None]
+            attention_mask = call.text_mask
+        return self.base(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+
+
 # ------------------------------------------------------------------------------------------------------ masks
 
 
-def stream_mask(num_frames: int, block_frames: int, *, sink_frames: int = 0, window_frames: int | None = None,
-                start: int = 0) -> torch.Tensor:
-    """The frame-level attention mask ``[F, F]`` (query, key) that streaming computes: block-causal, optionally a
-    sink plus a window of the newest ``window_frames`` frames (the query's block included). Frames are at absolute
-    positions ``start ... start + F - 1`` and blocks start at multiples of ``block_frames`` from 0."""
-    pos = torch.arange(start, start + num_frames)
-    block_end = (pos // block_frames + 1) * block_frames
-    q_end, q_start = block_end[:, None], (block_end - block_frames)[:, None]
-    k = pos[None, :]
-    same_block = (k >= q_start) & (k < q_end)
+def _positions_arg(frames) -> torch.Tensor:
+    if isinstance(frames, int):
+        return torch.arange(frames)
+    pos = torch.as_tensor(frames, dtype=torch.long).flatten()
+    if pos.numel() > 1 and torch.any(pos[1:] <= pos[:-1]):
+        raise ValueError(f"frame positions must increase strictly, got {pos.tolist()}")
+    return pos
+
+
+def _allowed(q: torch.Tensor, k: torch.Tensor, block_frames: int, sink_frames: int, window_frames: int | None,
+             same_block: bool) -> torch.Tensor:
+    """[len(q), len(k)]: may a query at absolute frame q attend a key at frame k (streaming's rule)."""
+    q_start = (q // block_frames * block_frames)[:, None]
+    q_end = q_start + block_frames
+    k = k[None, :]
     earlier = k < q_start
     if window_frames is not None:
         earlier = earlier & ((k < sink_frames) | (k >= q_end - window_frames))
-    return same_block | earlier
+    if not same_block:
+        return earlier
+    return earlier | ((k >= q_start) & (k < q_end))
 
 
-def teacher_forcing_mask(num_frames: int, block_frames: int, *, sink_frames: int = 0,
-                         window_frames: int | None = None) -> torch.Tensor:
-    """The ``[2F, 2F]`` mask of a ``[clean; noisy]`` training sequence (both halves at positions 0..F-1): each noisy
-    block attends to itself and to the clean frames streaming would have cached before it; clean frames attend
-    as in :func:`stream_mask`, so their keys equal the cache's. One forward then trains every block as streaming
-    with clean (write-pass) context would sample it (CausVid / Self-Forcing teacher forcing)."""
-    base = stream_mask(num_frames, block_frames, sink_frames=sink_frames, window_frames=window_frames)
-    block = torch.arange(num_frames) // block_frames
-    same_block = block[:, None] == block[None, :]
-    top = torch.cat([base, torch.zeros_like(base)], 1)
-    bottom = torch.cat([base & ~same_block, same_block], 1)
+def stream_mask(frames, block_frames: int, *, sink_frames: int = 0, window_frames: int | None = None) -> torch.Tensor:
+    """The frame-level attention mask ``[F, F]`` (query, key) that streaming computes over ``frames`` (a count:
+    positions ``0..F-1``; or the ascending absolute positions present): a block attends to itself and to earlier
+    frames that are sink frames or among the newest ``window_frames`` (its own block included). Blocks start at
+    multiples of ``block_frames``."""
+    pos = _positions_arg(frames)
+    return _allowed(pos, pos, block_frames, sink_frames, window_frames, same_block=True)
+
+
+def teacher_forcing_mask(clean, block_frames: int, *, sink_frames: int = 0, window_frames: int | None = None,
+                         noisy=None) -> torch.Tensor:
+    """The mask of a ``[clean; noisy]`` training sequence: ``clean`` frames (a count or ascending positions) attend
+    as in :func:`stream_mask`, so their keys are the ones the write passes cache; each ``noisy`` frame (positions,
+    default the clean ones) attends the noisy frames of its own block and the clean frames streaming would have
+    cached before its block. One forward then trains every noisy block exactly as streaming samples it with clean
+    context (CausVid / Self-Forcing teacher forcing). Frame positions of the sequence: ``clean`` then ``noisy``."""
+    clean = _positions_arg(clean)
+    noisy = clean if noisy is None else _positions_arg(noisy)
+    rule = dict(block_frames=block_frames, sink_frames=sink_frames, window_frames=window_frames)
+    top = torch.cat([_allowed(clean, clean, same_block=True, **rule),
+                     torch.zeros(len(clean), len(noisy), dtype=torch.bool)], 1)
+    blocks = noisy // block_frames
+    bottom = torch.cat([_allowed(noisy, clean, same_block=False, **rule), blocks[:, None] == blocks[None, :]], 1)
     return torch.cat([top, bottom], 0)
 
 
@@ -324,8 +381,10 @@ class CausalWan:
             raise NotImplementedError("image-conditioned Wan (I2V) is not supported by CausalWan")
         if block_frames < 1 or sink_frames < 0:
             raise ValueError(f"block_frames must be >= 1 and sink_frames >= 0, got {block_frames}, {sink_frames}")
-        if window_frames is not None and window_frames < block_frames:
-            raise ValueError(f"window_frames ({window_frames}) must cover at least one block ({block_frames})")
+        if sink_frames % block_frames:
+            raise ValueError(f"sink_frames ({sink_frames}) must be whole blocks of block_frames ({block_frames})")
+        if window_frames is not None and (window_frames < block_frames or window_frames % block_frames):
+            raise ValueError(f"window_frames ({window_frames}) must be whole blocks of block_frames ({block_frames})")
         if cache_frames is not None and window_frames is not None and cache_frames < sink_frames + window_frames:
             raise ValueError(f"cache_frames ({cache_frames}) must hold the sink and the window "
                              f"({sink_frames} + {window_frames})")
@@ -337,8 +396,10 @@ class CausalWan:
         rope = transformer.rope
         if not isinstance(rope, _StreamRope):
             transformer.rope = _StreamRope(rope)
+        self._slot = _CallSlot()
         for i, block in enumerate(transformer.blocks):
-            block.attn1.set_processor(_CausalSelfAttnProcessor(i))
+            block.attn1.set_processor(_CausalSelfAttnProcessor(i, self._slot))
+            block.attn2.set_processor(_SegmentedCrossAttnProcessor(self._slot))
         self.cache = CacheState.empty(len(transformer.blocks))
         self.route: RouteFn | None = None
 
@@ -451,28 +512,55 @@ class CausalWan:
         self._run(call, x, timestep, encoder_hidden_states)
         self.cache = written
 
+    def recache_start(self, switch_frame: int) -> int:
+        """The first frame :meth:`recache` re-encodes for a prompt switch at ``switch_frame`` (block-aligned): the
+        frames the next block attends besides the sink, ``max(sink, switch + block - window)`` (every frame after
+        the sink without a window)."""
+        if switch_frame % self.block_frames:
+            raise ValueError(f"a prompt switch must start a block: {switch_frame} % {self.block_frames} != 0")
+        if self.window_frames is None:
+            return min(self.sink_frames, switch_frame)
+        return max(min(self.sink_frames, switch_frame), switch_frame + self.block_frames - self.window_frames)
+
     def recache(self, latents: torch.Tensor, encoder_hidden_states: torch.Tensor, *, frame_offset: int,
                 noise: torch.Tensor | None = None) -> None:
-        """After a prompt switch: re-write the cached frames of ``latents`` (clean, ``[B, C, F, h, w]`` at
-        ``[frame_offset, frame_offset + F)``) under the new prompt, block by block as the write passes would have
-        stored them had that prompt been in force. Sink frames are kept as they are (LongLive's re-cache)."""
+        """Prompt switch (LongLive's re-cache, arXiv 2509.22622): keep the sink frames as written, drop every other
+        cached frame, and write ``latents`` (clean, ``[B, C, F, h, w]`` at ``[frame_offset, frame_offset + F)``,
+        normally ``[recache_start(s), s)`` for a switch at ``s``) under the new prompt, block by block. The stream
+        then continues as if those frames had been made under the new prompt after the sink: a
+        :func:`teacher_forcing_mask` over the sink and these frames, with :meth:`full`'s ``text_frames`` giving the
+        sink its old prompt, trains exactly what it samples."""
         frames = latents.shape[2]
-        s, end = max(frame_offset, self.sink_frames), frame_offset + frames
-        while s < end:  # block by block (a block split by the sink boundary is written from there)
-            e = min((s // self.block_frames + 1) * self.block_frames, end)
-            part = slice(s - frame_offset, e - frame_offset)
+        if frame_offset < self.sink_frames or frame_offset % self.block_frames:
+            raise ValueError(f"recache starts at a block after the sink ({self.sink_frames}), got {frame_offset}")
+        keep = [i for i, p in enumerate(self.cache.positions) if p < self.sink_frames]
+        self.cache = self.cache.index_frames(keep)
+        for s in range(frame_offset, frame_offset + frames, self.block_frames):
+            part = slice(s - frame_offset, s - frame_offset + self.block_frames)
             self.write(latents[:, :, part], encoder_hidden_states, frame_offset=s,
                        noise=None if noise is None else noise[:, :, part])
-            s = e
 
     def full(self, x: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor, *,
-             mask: torch.Tensor, frame_positions: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+             mask: torch.Tensor, frame_positions: Sequence[int] | torch.Tensor | None = None,
+             text_frames: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
         """One forward over the whole sequence ``x`` ``[B, C, F, h, w]`` under the frame-level bool ``mask``
-        ``[F, F]`` (query, key); frames at ``frame_positions`` (default ``0..F-1``). No cache is read or written."""
+        ``[F, F]`` (query, key); frames at ``frame_positions`` (default ``0..F-1``). No cache is read or written.
+
+        ``text_frames`` (``[F]`` ints): ``encoder_hidden_states`` is several prompts' embeddings concatenated along
+        the tokens (``[B, P·L, D]``, equal lengths) and frame ``f`` reads prompt ``text_frames[f]`` alone."""
         frames = x.shape[2]
         positions = (torch.arange(frames) if frame_positions is None
                      else torch.as_tensor(frame_positions, dtype=torch.long))
         mask = torch.as_tensor(mask, dtype=torch.bool)
         if mask.shape != (frames, frames):
             raise ValueError(f"mask must be [F, F] = [{frames}, {frames}] frame-level, got {tuple(mask.shape)}")
-        return self._run(_Call(positions, mask=mask), x, timestep, encoder_hidden_states)
+        call = _Call(positions, mask=mask)
+        if text_frames is not None:
+            call.text_frames = torch.as_tensor(text_frames, dtype=torch.long).flatten()
+            prompts = int(call.text_frames.max()) + 1
+            if call.text_frames.numel() != frames or int(call.text_frames.min()) < 0:
+                raise ValueError(f"text_frames must give each of the {frames} frames a prompt index >= 0")
+            if encoder_hidden_states.shape[1] % prompts:
+                raise ValueError(f"text_frames names {prompts} prompts but encoder_hidden_states has "
+                                 f"{encoder_hidden_states.shape[1]} tokens, not a multiple")
+        return self._run(call, x, timestep, encoder_hidden_states)
