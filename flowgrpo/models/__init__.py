@@ -9,6 +9,7 @@ from .causal_wan import CacheState, CausalWan
 from .flux import FluxAdapter
 from .load import load_adapter
 from .sd3 import SD3Adapter
+from .stream_pipeline import StreamConfig, StreamingWanPipeline
 from .tiny import build_tiny_pipeline
 from .wan import WanAdapter
 
@@ -19,6 +20,8 @@ __all__ = [
     "FluxAdapter",
     "PromptEmbeds",
     "SD3Adapter",
+    "StreamConfig",
+    "StreamingWanPipeline",
     "WanAdapter",
     "build_tiny_pipeline",
     "load_adapter",
