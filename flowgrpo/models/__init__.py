@@ -12,6 +12,7 @@ from .sd3 import SD3Adapter
 from .stream_pipeline import StreamConfig, StreamingWanPipeline
 from .tiny import build_tiny_pipeline
 from .wan import WanAdapter
+from .wan_checkpoints import load_streaming_wan_state_dict, load_streaming_wan_transformer, merge_lora
 
 __all__ = [
     "CacheState",
@@ -25,4 +26,7 @@ __all__ = [
     "WanAdapter",
     "build_tiny_pipeline",
     "load_adapter",
+    "load_streaming_wan_state_dict",
+    "load_streaming_wan_transformer",
+    "merge_lora",
 ]
