@@ -301,3 +301,23 @@ def test_bad_configuration_is_refused():
     with pytest.raises(ValueError, match="noise"):
         wan.write(torch.zeros(1, C, 1, H, W, dtype=torch.float64), torch.zeros(1, 5, 16, dtype=torch.float64),
                   frame_offset=0)
+
+
+@torch.no_grad()
+def test_per_row_masks_and_prompts_equal_row_by_row_forwards(data):
+    """The batched training forward: each row its own frame mask and its own per-frame prompts (padded prompt
+    slots unread) == each row alone."""
+    x, text_a = data
+    text_b = torch.randn(text_a.shape, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    wan = CausalWan(tiny_wan(), block_frames=2, sink_frames=2, window_frames=4)
+    t = torch.rand(2, 8, generator=torch.Generator().manual_seed(13), dtype=torch.float64) * 1000
+    masks = torch.stack([stream_mask(8, 2), stream_mask(8, 2, sink_frames=2, window_frames=4)])
+    frames = torch.tensor([[0] * 8, [0, 0, 0, 0, 1, 1, 1, 1]])
+    junk = torch.full_like(text_a, 1e3)                    # a third prompt slot nobody reads
+    texts = torch.cat([text_a, text_b, junk], 1)
+    both = wan.full(x, t, texts, mask=masks, text_frames=frames, prompt_tokens=text_a.shape[1])
+    for row in range(2):
+        alone = wan.full(x[row:row + 1], t[row:row + 1], texts[row:row + 1, :10], mask=masks[row],
+                         text_frames=frames[row], prompt_tokens=5)
+        assert diff(both[row:row + 1], alone) < TIGHT
+    assert diff(both[1:], wan.full(x[1:], t[1:], text_a[1:], mask=masks[1])) > 1e-4

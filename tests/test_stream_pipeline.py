@@ -82,3 +82,14 @@ def test_bad_layouts_are_refused(pipe):
         pipe(["a"], num_frames=20)
     with pytest.raises(ValueError, match="same number"):
         pipe([["a", "b"], ["c"]], switch_frames=[9], num_frames=FRAMES)
+
+
+def test_without_recache_a_switch_only_changes_the_prompt(pipe):
+    """recache=False keeps the cache as written at a switch: the same blocks before it, different ones after it
+    than with the re-cache."""
+    noise, renoise = draws(1, seed=3)
+    kw = dict(switch_frames=[9], num_frames=FRAMES, noise=noise, renoise=renoise, output_type="latent")
+    plain = StreamingWanPipeline(pipe.pipe, StreamConfig(**{**pipe.config.__dict__, "recache": False}))
+    kept = plain(["a red circle", "a blue square"], **kw).latents
+    rewritten = pipe(["a red circle", "a blue square"], **kw).latents
+    assert torch.equal(kept[:, :, :3], rewritten[:, :, :3]) and (kept[:, :, 3:] - rewritten[:, :, 3:]).abs().max() > 1e-4

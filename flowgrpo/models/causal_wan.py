@@ -137,7 +137,8 @@ class _Call:
     order: torch.Tensor | None = None       # write: permutation putting kept + new frames in position order
     tokens_per_frame: int = 0
     token_mask: torch.Tensor | None = None  # full mode: ``mask`` expanded to tokens, built by the first layer
-    text_frames: torch.Tensor | None = None  # full mode: [F] which prompt of the concatenated text each frame reads
+    text_frames: torch.Tensor | None = None  # full mode: [F] or [B, F], the prompt of the concatenated text a frame reads
+    prompt_tokens: int = 0                   # full mode with text_frames: tokens per prompt
     text_mask: torch.Tensor | None = None    # ``text_frames`` as a cross-attention mask, built by the first layer
     written: set = field(default_factory=set)
 
@@ -239,7 +240,9 @@ class _CausalSelfAttnProcessor:
         if call is not None and call.mask is not None:
             if call.token_mask is None:
                 per = call.tokens_per_frame
-                call.token_mask = call.mask.to(query.device).repeat_interleave(per, 0).repeat_interleave(per, 1)[None, None]
+                frames = call.mask.to(query.device)
+                frames = frames[None] if frames.ndim == 2 else frames                          # [B or 1, F, F]
+                call.token_mask = frames.repeat_interleave(per, 1).repeat_interleave(per, 2)[:, None]
             mask = call.token_mask
         elif call is not None and call.cache is not None:
             key, value = self._with_cache(call, key, value)
@@ -286,11 +289,11 @@ class _SegmentedCrossAttnProcessor:
         call = self.slot.call
         if call is not None and call.text_frames is not None:
             if call.text_mask is None:
-                segments = int(call.text_frames.max()) + 1
-                tokens = encoder_hidden_states.shape[1] // segments
-                owner = torch.arange(segments * tokens, device=hidden_states.device) // tokens
-                frame_of = call.text_frames.to(hidden_states.device).repeat_interleave(call.tokens_per_frame)
-                call.text_mask = (frame_of[:, None] == owner[None, :])[None, None]
+                owner = torch.arange(encoder_hidden_states.shape[1], device=hidden_states.device) // call.prompt_tokens
+                frames = call.text_frames.to(hidden_states.device)
+                frames = frames[None] if frames.ndim == 1 else frames                          # [B or 1, F]
+                token_of = frames.repeat_interleave(call.tokens_per_frame, dim=1)              # [B or 1, S]
+                call.text_mask = (token_of[:, :, None] == owner[None, None, :])[:, None]    # [B or 1, 1, S, P·L]
             attention_mask = call.text_mask
         return self.base(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
 
@@ -542,25 +545,30 @@ class CausalWan:
 
     def full(self, x: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor, *,
              mask: torch.Tensor, frame_positions: Sequence[int] | torch.Tensor | None = None,
-             text_frames: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+             text_frames: Sequence[int] | torch.Tensor | None = None,
+             prompt_tokens: int | None = None) -> torch.Tensor:
         """One forward over the whole sequence ``x`` ``[B, C, F, h, w]`` under the frame-level bool ``mask``
         ``[F, F]`` (query, key); frames at ``frame_positions`` (default ``0..F-1``). No cache is read or written.
 
-        ``text_frames`` (``[F]`` ints): ``encoder_hidden_states`` is several prompts' embeddings concatenated along
-        the tokens (``[B, P·L, D]``, equal lengths) and frame ``f`` reads prompt ``text_frames[f]`` alone."""
+        ``text_frames`` (``[F]``, or ``[B, F]`` per row, ints): ``encoder_hidden_states`` is several prompts'
+        embeddings concatenated along the tokens (``[B, P·L, D]``, ``prompt_tokens`` = L each; default: as many
+        prompts as ``text_frames`` names) and frame ``f`` reads prompt ``text_frames[f]`` alone. ``mask`` may also be
+        per row, ``[B, F, F]``."""
         frames = x.shape[2]
         positions = (torch.arange(frames) if frame_positions is None
                      else torch.as_tensor(frame_positions, dtype=torch.long))
         mask = torch.as_tensor(mask, dtype=torch.bool)
-        if mask.shape != (frames, frames):
-            raise ValueError(f"mask must be [F, F] = [{frames}, {frames}] frame-level, got {tuple(mask.shape)}")
+        if mask.shape[-2:] != (frames, frames) or mask.ndim not in (2, 3):
+            raise ValueError(f"mask must be [F, F] or [B, F, F] with F = {frames} (frame-level), got {tuple(mask.shape)}")
         call = _Call(positions, mask=mask)
         if text_frames is not None:
-            call.text_frames = torch.as_tensor(text_frames, dtype=torch.long).flatten()
+            call.text_frames = torch.as_tensor(text_frames, dtype=torch.long)
+            if call.text_frames.shape[-1] != frames or call.text_frames.ndim > 2 or int(call.text_frames.min()) < 0:
+                raise ValueError(f"text_frames must give each of the {frames} frames a prompt index >= 0, [F] or [B, F]")
+            tokens = encoder_hidden_states.shape[1]
             prompts = int(call.text_frames.max()) + 1
-            if call.text_frames.numel() != frames or int(call.text_frames.min()) < 0:
-                raise ValueError(f"text_frames must give each of the {frames} frames a prompt index >= 0")
-            if encoder_hidden_states.shape[1] % prompts:
-                raise ValueError(f"text_frames names {prompts} prompts but encoder_hidden_states has "
-                                 f"{encoder_hidden_states.shape[1]} tokens, not a multiple")
+            call.prompt_tokens = prompt_tokens or tokens // prompts
+            if tokens % call.prompt_tokens or tokens // call.prompt_tokens < prompts:
+                raise ValueError(f"text_frames names {prompts} prompts of {call.prompt_tokens} tokens but "
+                                 f"encoder_hidden_states has {tokens} tokens")
         return self._run(call, x, timestep, encoder_hidden_states)

@@ -51,6 +51,8 @@ class StreamConfig:
         window_frames: the newest latent frames a block attends to, itself included (whole blocks); ``None``: all.
         cache_frames: most latent frames kept cached (``None``: all written ones).
         context_sigma: noise level of the context the write pass stores (0: the clean block).
+        recache: at a prompt switch, re-write the window under the new prompt (LongLive); ``False``: keep the cache
+            as written and only change the prompt of the blocks that follow. Sample as the model was trained.
         guidance_scale: classifier-free guidance (1: off); the negative prompt's stream has its own cache rows.
         negative_prompt: the unconditional prompt.
         max_sequence_length: text tokens (``None``: the pipeline's default).
@@ -64,6 +66,7 @@ class StreamConfig:
     window_frames: int | None = None
     cache_frames: int | None = None
     context_sigma: float = 0.0
+    recache: bool = True
     guidance_scale: float = 1.0
     negative_prompt: str = ""
     max_sequence_length: int | None = None
@@ -234,7 +237,7 @@ class StreamingWanPipeline:
             x_in = torch.cat([x0, x0]) if cfg else x0
             self.wan.write(x_in, texts[segment_of_block[k]], frame_offset=k * bf,
                            noise=self._context_noise(x_in, generator))
-            if segment_of_block[k + 1] != segment_of_block[k]:
+            if c.recache and segment_of_block[k + 1] != segment_of_block[k]:
                 start = self.wan.recache_start((k + 1) * bf)
                 if start < (k + 1) * bf:
                     past = torch.cat(done, 2)[:, :, start:]
