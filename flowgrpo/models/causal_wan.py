@@ -429,10 +429,11 @@ class CausalWan:
             self.route = previous
 
     # -- attention context -----------------------------------------------------------------------------------------
-    def context_positions(self, frame_offset: int, num_frames: int) -> list[int]:
-        """The cached positions a block at ``[frame_offset, frame_offset + num_frames)`` attends to (unrouted)."""
+    def context_positions(self, frame_offset: int, num_frames: int, cached: Sequence[int] | None = None) -> list[int]:
+        """The positions a block at ``[frame_offset, frame_offset + num_frames)`` attends to besides itself
+        (unrouted), among ``cached`` (default: the cache's)."""
         end = frame_offset + num_frames
-        return [p for p in self.cache.positions
+        return [p for p in (self.cache.positions if cached is None else cached)
                 if p < frame_offset and (self.window_frames is None or p < self.sink_frames
                                          or p >= end - self.window_frames)]
 
