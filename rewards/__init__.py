@@ -16,3 +16,6 @@ __all__ = [
     "MultiReward", "OcrReward", "PickScore", "RemoteReward", "RewardOutput", "VideoClipScore", "VideoConsistency",
     "VideoFlicker", "VideoGenEval", "VideoMotion", "available", "geneval_prefixes", "geneval_summary", "load", "register",
 ]
+from .streams import LongVideoReward  # registers "long_video": streams with prompt switches
+
+__all__ += ["LongVideoReward"]

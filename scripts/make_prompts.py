@@ -1,4 +1,4 @@
-"""Write the shapes world's fixed prompt sets: assets/prompts/{shapes,motion}_{train,test}.jsonl.
+"""Write the shapes world's fixed prompt sets: assets/prompts/{shapes,motion,streams}_{train,test}.jsonl.
 
     python scripts/make_prompts.py            # seed 0, a third of each tag held out
     python scripts/make_prompts.py --check    # verify the committed files match (exit 1 if not)
@@ -10,6 +10,10 @@ colour, count and relation of the tag). One GenEval metadata dict per line, GenE
 
 The moving-shapes (video) prompts, 426 (72 motion, 120 two_object_motion, 54 counting, 18 colors, 144 speed,
 18 static), are split the same way (flowgrpo.world.split_motion_prompts) into motion_{train,test}.jsonl.
+
+The streams (long clips whose prompt switches 1-3 times) are 400 distinct prompt sequences of 49 frames drawn by
+flowgrpo.world.split_stream_prompts, 300 train and 100 held out (no sequence in both), in streams_{train,test}.jsonl:
+one stream metadata dict per line (num_frames, tag, segments with their start frames, the joined prompt).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from flowgrpo.world import MOTION_TAGS, TAGS, split_motion_prompts, split_prompts
+from flowgrpo.world import MOTION_TAGS, TAGS, split_motion_prompts, split_prompts, split_stream_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,6 +47,11 @@ def main() -> int:
         files |= {f"{world}_train.jsonl": _lines(train), f"{world}_test.jsonl": _lines(test)}
         counts = {name: collections.Counter(r["tag"] for r in rows) for name, rows in (("train", train), ("test", test))}
         print(world, json.dumps({s: {t: c[t] for t in tags} | {"total": sum(c.values())} for s, c in counts.items()}))
+    train, test = split_stream_prompts(seed=args.seed)
+    files |= {"streams_train.jsonl": _lines(train), "streams_test.jsonl": _lines(test)}
+    counts = {name: collections.Counter(f"{r['tag']}/{len(r['segments']) - 1}_switches" for r in rows)
+              for name, rows in (("train", train), ("test", test))}
+    print("streams", json.dumps({s: dict(sorted(c.items())) | {"total": sum(c.values())} for s, c in counts.items()}))
     if args.check:
         stale = [n for n, text in files.items() if not (args.out_dir / n).exists() or (args.out_dir / n).read_text() != text]
         if stale:
