@@ -4,6 +4,7 @@ no stray Hydra run dir behind. docs/reliability.md lists it."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -95,3 +96,26 @@ def test_curves_that_cannot_be_written_are_a_logged_warning_and_the_summary_is_w
     assert summary["curves"] is None and (tmp_path / "summary.json").is_file()
     log = (tmp_path / "train.log").read_text()
     assert "curves.png: No space left on device" in log and f"summary: {tmp_path / 'summary.json'}" in log
+
+
+def test_two_processes_share_one_run_dir_and_one_train_log(tmp_path):
+    """``torchrun --nproc_per_node 2 train.py`` (2 gloo processes, no GPU): one run dir chosen by rank 0, one
+    ``train.log`` written by the main process only (each line once), the batch plan split over both processes, and
+    the ``metrics.jsonl`` rows of a one-process run, each once."""
+    work = tmp_path / "cwd"
+    work.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+         str(REPO / "train.py"), "debug=default", "reward=jpeg_compressibility", "trainer.iterations=2",
+         "trainer.gallery_every=0", "trainer.eval_every=0", "trainer.checkpoint_every=0"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = [p.parent for p in work.rglob("train.log")]
+    assert len(runs) == 1, runs                               # rank 1 did not pick a run dir of its own
+    log = (runs[0] / "train.log").read_text()
+    assert log.count("batch plan: ") == 1 and log.count("done: 2 iterations") == 1, log
+    assert "over 2 processes" in log, log
+    rows = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
+    # as one process writes them: the evaluations before and after (debug=default) and one row per iteration, once
+    assert [(r["iteration"], "eval/reward" in r) for r in rows] == [(0, True), (1, False), (2, False), (2, True)]
