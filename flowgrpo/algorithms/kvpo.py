@@ -1,0 +1,528 @@
+r"""KVPO's building blocks: routing plans over the KV context, the TVE branch policy, reference-relative advantages
+and the clipped loss on the branch simplex. Pure functions; no :class:`Algorithm` is registered here yet.
+
+KVPO (arXiv 2605.14278, "KVPO: ODE-Native GRPO for Autoregressive Video Alignment via KV Semantic Exploration";
+official code github.com/Richard-Zhang-AI/KVPO, ``models/longlive/trainer/kvpo.py`` and
+``models/longlive/pipeline/diversity_sampling.py``) is GRPO for streaming video models that explores through the
+*context* instead of the noise. A stream is generated up to a fork block; from there ``G`` branches continue with
+the same noise, each attending, during ``P`` consecutive routed blocks, to its own selection of older cached frames
+instead of the newest ones. One more run from the fork, the *unrouted run* (the reference branch), keeps the
+normal sink + window context and is the baseline of the advantages. Nothing is sampled from a Gaussian policy;
+the policy is a distribution over the ``G`` branches, scored by how well the model reproduces each branch's own
+denoising trajectory under the normal context.
+
+The pieces, in the order a training step uses them:
+
+**Routing plan** (:func:`plan_routing`, :class:`RoutingPlan`, :func:`route_fn`, :func:`batched_route_fn`). With
+blocks of ``b`` frames, ``s`` sink frames, a window of ``w`` frames (the newest, the block's own included: the
+meaning of ``CausalWan``'s ``window_frames``) and ``m`` nearest frames, a block in the routed span attends to
+
+    sink ``[0, s)`` + the branch's ``n`` older frames + the ``m`` frames just before the block ``[f − m, f)``,
+
+with ``n = w − b − m``: the same number of frames as the unrouted context (sink + the ``w − b`` frames before
+the block), so every row of a batch attends the same count and routing changes *which* frames, not how many.
+Positions are absolute frame positions, by which CausalWan's cache addresses its frames, so the planned frames
+are the frames attended, whatever the cache has evicted. The fork ``f₀`` (a block start) is eligible when the ``P`` routed
+blocks ``[f₀, f₀ + P·b)`` fit in the stream and do not cross a segment start, ``f₀ ≥ s + w`` (a full window
+behind it), and the pool of older frames holds at least ``n`` frames. The pool is ``[lo, hi)`` with
+
+* ``hi = f₀ + b − w`` (default, ``outside_window=True``): only frames the unrouted window of the fork block does
+  not attend, so every branch attends ``n`` frames the reference branch does not; with ``outside_window=False``,
+  ``hi = f₀ − m``: every frame before the nearest ones;
+* ``lo = s``, or with a bounded cache (``cache_frames = C``) ``lo = max(s, f₀ + (P − 1)·b − (C − s))``: the
+  oldest frame still cached when the last routed block reads (CausalWan evicts the oldest non-sink frames first).
+
+The official rule (``plan_perturbation``) has the same ``lo`` and ``hi = f₀ − m_official``, where its
+``m_official`` counts the block itself (its nearest slice ends at the end of the block): ``m_official = m + b``.
+Its pool therefore stops ``b`` frames before the nearest ones (frames no branch attends) and holds ``w − 2b − m``
+frames of the unrouted window (2 with its defaults), which ``outside_window`` leaves out. Its budget
+``n = local_attn − sink − m_official`` is ours, as its ``local_attn`` counts the sink (``local_attn = s + w``).
+
+One fork and one permutation of the pool (length ``L``) are drawn per (seed, iteration, prompt index) from a
+``numpy.random.SeedSequence``. Each branch takes ``n`` consecutive entries of the permutation (cyclically), from
+one of the evenly spaced starts ``⌊j·L/G⌋``. When the pool holds ``G·n`` frames the starts are ``n`` or more apart
+and the branches are disjoint. Otherwise two branches whose starts are ``d`` apart share
+``max(0, n − d) + max(0, n − (L − d))`` frames; any two share at most that for ``d = ⌊L/G⌋`` (the least any ``G``
+windows of one permutation can guarantee), and every pool frame is used by ``⌊G·n/L⌋`` or ``⌈G·n/L⌉`` branches.
+Branch ``g`` takes start ``j = g·q mod G``, the stride ``q`` (coprime with ``G``) chosen so consecutive branches
+share the fewest frames: branch indices mean nothing to the loss, but any run of consecutive branches (a subset,
+a chunk of a backward pass) is then spread over the pool. With the official geometry (blocks of 3, sink 3,
+window 9, a 33-frame cache: ``L = 12``, ``n = 5``, ``G = 8``) any two branches share at most 4 frames and 1.71 on
+average, consecutive ones at most 1. (The official shift ``max(1, L // G)`` packs the starts into the first
+``G·shift`` entries: with its pool of 14 every pair of consecutive branches shares 4 of 5 frames and a pair shares
+2.14 on average; spread evenly, 1.36.)
+
+The official code maps planned frames to ring-buffer slots one block late once the buffer has rolled (the routed
+frames are the planned ones plus ``b``); addressing by position has no such offset, which the tests check.
+
+**TVE scores** (:func:`tve_scores`, "trajectory velocity energy"). Each branch's recorded inputs ``x_{k,j}`` and
+clean predictions ``x̂₀_{k,j}`` (block ``k``, step ``j``) are replayed by the model being trained under the
+unrouted context, giving ``x̂₀'_{k,j}``; the branch's score is
+
+    ``s_g = Σ_k Σ_j −mean((x̂₀'_{k,j} − x̂₀_{k,j})²) / (2·max(σ_j, σ_floor)²)``
+
+(mean over the elements of a block). Both predictions start from the same input (``x̂₀ = x − σ·v``), so the
+squared error is ``σ²·‖Δv‖²``: an energy of the velocity change. ``σ_floor = 1`` (the official default) weights
+every step ``1/2``, as Self-Forcing's noise levels are all ≤ 1. The replay itself is the caller's: the official
+one covers every block of the fork chunk from the fork, keeps the gradient of the first 2 steps of each block
+only, and between blocks writes its own last prediction (not the recorded block) into the cache.
+
+**Branch policy** (:func:`branch_log_policy`): ``log π(g) = log_softmax_g(s_g)``; adding a constant to every score
+changes nothing.
+
+**Advantages** (:func:`reference_relative_advantages`, :func:`fuse_advantages`). Per reward component ``c``,
+``A_c(g) = (r_c(g) − r_c(ref)) / (std([r_c(1), …, r_c(G), r_c(ref)]) + 1e-8)`` (unbiased std over ``G + 1``
+values), then ``A = Σ_c w_c·A_c``. Such an advantage is computed for the *local* signal (rewards of the fork
+segment) and the *global* one (the whole stream); each is divided by its own std over the branches (biased;
+left unchanged when that std is ≤ 1e-8), they are summed with weights 1.0 and 0.5 and clamped to ±2.5. The
+sign stays relative to the reference branch: no mean is subtracted.
+
+**Loss** (:func:`kvpo_loss`). On the simplex, ``ρ_g = exp(clamp(log π_θ(g) − log π_old(g), −20, 20))`` (each
+normalised by its logsumexp, so raw scores or log-policies may be passed);
+
+    ``L = −mean_g min(ρ_g·A_g, clip(ρ_g, 1 − 0.1, 1 + 0.2)·A_g) + β·Σ_g π_θ(g)·(log π_θ(g) − log π_init(g))``
+
+with ``β = 10`` and ``π_init`` the policy of the initial weights. When no branch beats the reference branch on
+any signal, the loss is halved. The official code ("mechanism_2") writes this as a softmax over the ``G``
+log-policies plus one extra zero logit, scaling the loss by ``1 − π_extra``; since the ``G`` probabilities sum to
+one, ``π_extra = 1/(1 + 1) = 1/2`` exactly, and the scale is 1 when some branch wins (the extra logit is −∞).
+It is implemented as what it computes: a factor 1/2.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["RoutingPlan", "plan_routing", "route_fn", "batched_route_fn", "unrouted_positions", "tve_scores",
+           "branch_log_policy", "reference_relative_advantage", "reference_relative_advantages",
+           "fuse_advantages", "kvpo_loss"]
+
+#: ``route(frame_offset, num_frames, cached_positions) -> positions`` (``CausalWan.routed``'s hook).
+Route = Callable[[int, int, list], "list[int] | torch.Tensor"]
+
+
+# ------------------------------------------------------------------------------------------------- routing plan
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """Where a prompt's stream forks and which older frames each branch attends (see the module docstring).
+
+    Attributes:
+        fork_frame: first frame of the first routed block (a block start).
+        blocks: ``P``, consecutive routed blocks: frames ``[fork_frame, end_frame)``.
+        block_frames, sink_frames, window_frames: the stream's (``CausalWan``'s) geometry.
+        nearest_m: frames just before each routed block it keeps attending (its own block aside; the official
+            ``m_nearest_frames`` is ``nearest_m + block_frames``).
+        positions_per_branch: ``G`` ascending lists of the ``n`` older absolute frame positions of each branch.
+        pool_start, pool_end: the older frames were drawn from ``[pool_start, pool_end)``.
+        eligible_forks: every fork frame that was eligible (the fork was drawn uniformly from them).
+    """
+
+    fork_frame: int
+    blocks: int
+    block_frames: int
+    sink_frames: int
+    window_frames: int
+    nearest_m: int
+    positions_per_branch: list[list[int]]
+    pool_start: int
+    pool_end: int
+    eligible_forks: list[int] = field(default_factory=list)
+
+    @property
+    def end_frame(self) -> int:
+        """One past the last routed frame."""
+        return self.fork_frame + self.blocks * self.block_frames
+
+    @property
+    def num_branches(self) -> int:
+        return len(self.positions_per_branch)
+
+    @property
+    def num_older(self) -> int:
+        """``n``: older frames per branch."""
+        return len(self.positions_per_branch[0]) if self.positions_per_branch else 0
+
+    def is_routed(self, frame_offset: int) -> bool:
+        """Is the block starting at ``frame_offset`` one of the routed blocks?"""
+        return self.fork_frame <= frame_offset < self.end_frame
+
+    def context(self, branch: int | None, frame_offset: int, num_frames: int, cached: Sequence[int]) -> list[int]:
+        """The cached positions the block at ``[frame_offset, frame_offset + num_frames)`` attends besides itself,
+        for ``branch`` (``None``: the reference branch, always unrouted). Raises when a planned frame is not cached
+        (evicted by a too small cache, or dropped by a prompt-switch re-cache)."""
+        if branch is None or not self.is_routed(frame_offset):
+            return unrouted_positions(frame_offset, num_frames, cached, self.sink_frames, self.window_frames)
+        if not 0 <= branch < self.num_branches:
+            raise ValueError(f"branch {branch} is not one of the plan's {self.num_branches} branches")
+        nearest = list(range(frame_offset - self.nearest_m, frame_offset))
+        wanted = self.positions_per_branch[branch] + nearest
+        have = set(cached)
+        missing = [p for p in wanted if p not in have]
+        if missing:
+            raise ValueError(f"branch {branch} plans frames {missing} for the block at {frame_offset}, but they are "
+                             f"not cached (cached: {sorted(have)}): a bounded cache or a re-cache dropped them")
+        return sorted([p for p in cached if p < self.sink_frames] + wanted)
+
+
+def unrouted_positions(frame_offset: int, num_frames: int, cached: Sequence[int], sink_frames: int,
+                       window_frames: int | None) -> list[int]:
+    """``CausalWan.context_positions``' rule on explicit positions: the cached frames before the block that are
+    sink frames or among the newest ``window_frames`` (the block's own included), ascending."""
+    end = frame_offset + num_frames
+    return [p for p in cached if p < frame_offset and (window_frames is None or p < sink_frames
+                                                       or p >= end - window_frames)]
+
+
+def _check_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def plan_routing(
+    num_frames: int,
+    block_frames: int,
+    sink_frames: int,
+    window_frames: int,
+    *,
+    num_branches: int = 8,
+    routed_blocks: int = 5,
+    nearest_m: int = 1,
+    seed: int = 0,
+    iteration: int = 0,
+    prompt_index: int = 0,
+    cache_frames: int | None = None,
+    outside_window: bool = True,
+    min_fork_frame: int | None = None,
+    max_fork_frame: int | None = None,
+    segment_starts: Sequence[int] = (),
+) -> RoutingPlan:
+    """Draw a fork block and ``G`` branch selections of older frames (the module docstring gives every rule).
+
+    Args:
+        num_frames: latent frames of the stream.
+        block_frames, sink_frames, window_frames: the stream's geometry (``CausalWan``'s arguments; the window
+            counts the newest frames including the block).
+        num_branches: ``G``.
+        routed_blocks: ``P``, consecutive routed blocks from the fork.
+        nearest_m: frames just before each routed block it keeps attending (the official ``m`` minus
+            ``block_frames``: 1 for its 4 with blocks of 3). ``n = window_frames − block_frames − nearest_m``
+            older frames per branch; it must be >= 1.
+        seed, iteration, prompt_index: the draw is a function of these alone (``numpy.random.SeedSequence``).
+        cache_frames: ``CausalWan``'s bound on cached frames (``None``: every frame stays cached); the pool keeps
+            only frames still cached at the last routed block.
+        outside_window: the pool ends where the fork block's unrouted window starts (default) or just before
+            the nearest frames.
+        min_fork_frame: earliest fork (default ``sink_frames + window_frames``: a full window behind it).
+        max_fork_frame: latest fork (inclusive; the official "within the first chunks" option).
+        segment_starts: frames where a segment starts (prompt switches, chunk boundaries): the routed blocks lie
+            in one segment.
+
+    Returns:
+        the :class:`RoutingPlan`.
+    """
+    num_frames = _check_int("num_frames", num_frames, 1)
+    block_frames = _check_int("block_frames", block_frames, 1)
+    sink_frames = _check_int("sink_frames", sink_frames, 0)
+    window_frames = _check_int("window_frames", window_frames, 1)
+    num_branches = _check_int("num_branches", num_branches, 2)
+    routed_blocks = _check_int("routed_blocks", routed_blocks, 1)
+    nearest_m = _check_int("nearest_m", nearest_m, 0)
+    for name, value in (("seed", seed), ("iteration", iteration), ("prompt_index", prompt_index)):
+        _check_int(name, value, 0)
+    if sink_frames % block_frames or window_frames % block_frames:
+        raise ValueError(f"sink_frames ({sink_frames}) and window_frames ({window_frames}) must be whole blocks of "
+                         f"block_frames ({block_frames})")
+    n = window_frames - block_frames - nearest_m
+    if n < 1:
+        raise ValueError(f"nearest_m={nearest_m} leaves no older frame to route: n = window_frames - block_frames - "
+                         f"nearest_m = {window_frames} - {block_frames} - {nearest_m} must be >= 1")
+    if cache_frames is not None:
+        cache_frames = _check_int("cache_frames", cache_frames, sink_frames + window_frames)
+    earliest = sink_frames + window_frames if min_fork_frame is None else _check_int("min_fork_frame",
+                                                                                     min_fork_frame, 0)
+    latest = num_frames if max_fork_frame is None else _check_int("max_fork_frame", max_fork_frame, 0)
+    span = routed_blocks * block_frames
+    starts = sorted(int(s) for s in segment_starts)
+
+    eligible: list[tuple[int, int, int]] = []
+    for fork in range(0, num_frames - span + 1, block_frames):
+        if fork < earliest or fork > latest or any(fork < s < fork + span for s in starts):
+            continue
+        lo = sink_frames
+        if cache_frames is not None:
+            lo = max(lo, fork + span - block_frames - (cache_frames - sink_frames))
+        hi = fork + block_frames - window_frames if outside_window else fork - nearest_m
+        if hi - lo >= n:
+            eligible.append((fork, lo, hi))
+    if not eligible:
+        raise ValueError(
+            f"no eligible fork for routed_blocks={routed_blocks} in {num_frames} frames: a fork needs its "
+            f"{span} routed frames inside the stream and one segment, fork >= {earliest}"
+            + (f", fork <= {latest}" if max_fork_frame is not None else "")
+            + f", and a pool of >= {n} older frames (window_frames={window_frames}, nearest_m={nearest_m}, "
+            f"cache_frames={cache_frames}, outside_window={outside_window})")
+
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(iteration), int(prompt_index)]))
+    fork, lo, hi = eligible[int(rng.integers(len(eligible)))]
+    size = hi - lo
+    perm = rng.permutation(size)
+    branches = [sorted(lo + int(perm[(start + i) % size]) for i in range(n))
+                for start in _branch_starts(size, num_branches, n)]
+    return RoutingPlan(fork_frame=fork, blocks=routed_blocks, block_frames=block_frames, sink_frames=sink_frames,
+                       window_frames=window_frames, nearest_m=nearest_m, positions_per_branch=branches,
+                       pool_start=lo, pool_end=hi, eligible_forks=[e[0] for e in eligible])
+
+
+def _branch_starts(size: int, branches: int, n: int) -> list[int]:
+    """Where each branch's window of ``n`` starts on a cyclic permutation of ``size`` entries: the evenly spaced
+    starts ``⌊j·size/G⌋``, taken with the stride ``q`` (coprime with ``G``, so each start once) that makes
+    consecutive branches share the fewest entries (``q = 1`` when they are disjoint anyway)."""
+    def shared(d: int) -> int:                 # entries two windows ``d`` apart share
+        d %= size
+        return n if d == 0 else max(0, n - d) + max(0, n - (size - d))
+
+    even = [j * size // branches for j in range(branches)]
+    best = None
+    for q in range(1, branches):
+        if math.gcd(q, branches) != 1:
+            continue
+        starts = [even[g * q % branches] for g in range(branches)]
+        cost = [shared(b - a) for a, b in zip(starts, starts[1:])]
+        if best is None or (max(cost), sum(cost)) < best[0]:
+            best = ((max(cost), sum(cost)), starts)
+    return best[1]
+
+
+def route_fn(plan: RoutingPlan, branch: int | None) -> Route:
+    """The route of one branch for ``CausalWan.routed``: during the plan's routed blocks, sink + the branch's older
+    frames + the ``nearest_m`` frames before the block; elsewhere (and for ``branch=None``, the reference branch)
+    the unrouted sink + window rule. It applies to the write passes of those blocks too, as in the official
+    code."""
+    if branch is not None and not 0 <= branch < plan.num_branches:
+        raise ValueError(f"branch {branch} is not one of the plan's {plan.num_branches} branches")
+
+    def route(frame_offset: int, num_frames: int, cached: list) -> list[int]:
+        return plan.context(branch, frame_offset, num_frames, cached)
+
+    return route
+
+
+def batched_route_fn(plan: RoutingPlan, branches: Sequence[int | None]) -> Route:
+    """One route for a batch whose rows are ``branches`` (branch indices; ``None`` rows are the reference branch):
+    a ``[B, k]`` LongTensor during the routed blocks (every row attends the same count ``k``), the shared unrouted
+    list elsewhere."""
+    branches = list(branches)
+    if not branches:
+        raise ValueError("branches must name at least one row")
+    for b in branches:
+        if b is not None and not 0 <= b < plan.num_branches:
+            raise ValueError(f"branch {b} is not one of the plan's {plan.num_branches} branches")
+
+    def route(frame_offset: int, num_frames: int, cached: list):
+        if not plan.is_routed(frame_offset):
+            return unrouted_positions(frame_offset, num_frames, cached, plan.sink_frames, plan.window_frames)
+        rows = [plan.context(b, frame_offset, num_frames, cached) for b in branches]
+        if len({len(r) for r in rows}) > 1:
+            raise ValueError(f"rows attend {sorted({len(r) for r in rows})} frames at block {frame_offset}: a "
+                             "batched route needs the same count in every row (is the unrouted window full?)")
+        return torch.tensor(rows, dtype=torch.long)
+
+    return route
+
+
+# ------------------------------------------------------------------------------------------- TVE and the policy
+
+
+def tve_scores(x0_replay: torch.Tensor, x0_recorded: torch.Tensor, sigmas, sigma_floor: float = 1.0) -> torch.Tensor:
+    """Each branch's TVE score, ``[G]``: ``Σ_k Σ_j −mean((x̂₀'_{g,k,j} − x̂₀_{g,k,j})²) / (2·max(σ_j, floor)²)``.
+
+    Args:
+        x0_replay: ``[G, K, S, ...]`` the clean predictions of the replay (block ``k``, step ``j``; the layout of
+            ``StreamTrajectory.x0``); carries the gradient.
+        x0_recorded: the same shape, what the branch recorded (no gradient).
+        sigmas: ``[S]`` the noise level of each step (every block the same), or ``[K, S]``.
+        sigma_floor: ``σ`` below it counts as ``sigma_floor`` (official default 1.0: every step weighs ``1/2``);
+            0 gives the plain ``1/(2σ²)``.
+
+    The mean runs over each block's elements (``...``). In the dtype of ``x0_replay`` (at least float32).
+    """
+    if x0_replay.shape != x0_recorded.shape or x0_replay.ndim < 3:
+        raise ValueError(f"x0_replay {tuple(x0_replay.shape)} and x0_recorded {tuple(x0_recorded.shape)} must both "
+                         "be [G, K, S, ...]")
+    if sigma_floor < 0:
+        raise ValueError(f"sigma_floor must be >= 0, got {sigma_floor}")
+    dtype = torch.promote_types(x0_replay.dtype, torch.float32)
+    g, k, s = x0_replay.shape[:3]
+    sig = torch.as_tensor(sigmas, dtype=dtype, device=x0_replay.device)
+    if sig.shape not in ((s,), (k, s)):
+        raise ValueError(f"sigmas must be [S] = [{s}] or [K, S] = [{k}, {s}], got {tuple(sig.shape)}")
+    eff = sig.clamp_min(sigma_floor) if sigma_floor > 0 else sig
+    if torch.any(eff <= 0):
+        raise ValueError("every step needs sigma > 0 when sigma_floor is 0")
+    err = (x0_replay.to(dtype) - x0_recorded.detach().to(dtype)).square()
+    mse = err.flatten(3).mean(-1) if err.ndim > 3 else err                       # [G, K, S]
+    return -(mse / (2 * eff.square())).sum((1, 2))
+
+
+def branch_log_policy(scores: torch.Tensor) -> torch.Tensor:
+    """``log π(g) = log_softmax`` of the scores over the branches (the last dimension)."""
+    return torch.log_softmax(scores, dim=-1)
+
+
+# ------------------------------------------------------------------------------------------------- advantages
+
+
+def reference_relative_advantage(rewards: torch.Tensor, reference: torch.Tensor | float, eps: float = 1e-8
+                                 ) -> torch.Tensor:
+    """One component: ``(r_g − r_ref) / (std([r_1, …, r_G, r_ref]) + eps)``, unbiased std, float64 ``[G]``.
+    A branch that scores exactly as the reference branch gets exactly 0."""
+    r = torch.as_tensor(rewards).detach().to(torch.float64).cpu()
+    if r.ndim != 1 or r.numel() < 1:
+        raise ValueError(f"branch rewards must be a 1-D tensor [G], got shape {tuple(r.shape)}")
+    ref = torch.as_tensor(reference).detach().to(torch.float64).cpu()
+    if ref.numel() != 1:
+        raise ValueError(f"the reference reward must be a scalar, got shape {tuple(ref.shape)}")
+    ref = ref.reshape(())
+    if not (torch.isfinite(r).all() and torch.isfinite(ref)):
+        raise ValueError("rewards must be finite")
+    spread = torch.cat([r, ref[None]]).std() + eps
+    return (r - ref) / spread
+
+
+def reference_relative_advantages(branch_rewards: Mapping[str, torch.Tensor],
+                                  reference_rewards: Mapping[str, torch.Tensor | float],
+                                  weights: Mapping[str, float] | None = None, *, eps: float = 1e-8) -> torch.Tensor:
+    """``Σ_c w_c·(r_c(g) − r_c(ref)) / (std([r_c(1..G), r_c(ref)]) + eps)``, float32 ``[G]``.
+
+    Args:
+        branch_rewards: ``{component: [G]}`` each branch's reward per component.
+        reference_rewards: ``{component: scalar}`` the reference branch's.
+        weights: ``{component: w_c}`` (default 1 each; the official code uses the raw weights, not normalised).
+    """
+    if not branch_rewards:
+        raise ValueError("branch_rewards must hold at least one component")
+    if set(reference_rewards) != set(branch_rewards):
+        raise ValueError(f"reference_rewards has components {sorted(reference_rewards)}, branch_rewards "
+                         f"{sorted(branch_rewards)}: they must match")
+    weights = {c: 1.0 for c in branch_rewards} if weights is None else dict(weights)
+    if set(weights) != set(branch_rewards):
+        raise ValueError(f"weights has components {sorted(weights)}, branch_rewards {sorted(branch_rewards)}: "
+                         "they must match")
+    total = None
+    for name, rewards in branch_rewards.items():
+        adv = float(weights[name]) * reference_relative_advantage(rewards, reference_rewards[name], eps)
+        if total is not None and adv.shape != total.shape:
+            raise ValueError(f"component {name!r} has {adv.numel()} branch rewards, another {total.numel()}")
+        total = adv if total is None else total + adv
+    return total.float()
+
+
+def _std_normalised(adv: torch.Tensor) -> torch.Tensor:
+    std = adv.std(unbiased=False)
+    return adv if std <= 1e-8 else adv / (std + 1e-8)
+
+
+def fuse_advantages(local: torch.Tensor | None, global_: torch.Tensor | None, *, w_local: float = 1.0,
+                    w_global: float = 0.5, clip: float | None = 2.5) -> torch.Tensor:
+    """``clamp(w_local·A_local/std(A_local) + w_global·A_global/std(A_global), −clip, clip)``, float32 ``[G]``.
+
+    Each signal is divided by its biased std over the branches (unchanged when that std is ≤ 1e-8), no mean is
+    subtracted (the sign stays relative to the reference branch). Either signal may be ``None`` (not trained);
+    ``clip=None`` does not clamp.
+    """
+    if local is None and global_ is None:
+        raise ValueError("fuse_advantages needs at least one of local and global_")
+    if clip is not None and clip <= 0:
+        raise ValueError(f"clip must be > 0 or None, got {clip}")
+    parts = []
+    for name, adv, weight in (("local", local, w_local), ("global_", global_, w_global)):
+        if adv is None:
+            continue
+        adv = torch.as_tensor(adv).detach().to(torch.float64)
+        if adv.ndim != 1:
+            raise ValueError(f"{name} must be a 1-D tensor [G], got shape {tuple(adv.shape)}")
+        parts.append(float(weight) * _std_normalised(adv))
+    if len(parts) == 2 and parts[0].shape != parts[1].shape:
+        raise ValueError(f"local {tuple(parts[0].shape)} and global_ {tuple(parts[1].shape)} must have one value per "
+                         "branch each")
+    fused = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+    if clip is not None:
+        fused = fused.clamp(-clip, clip)
+    return fused.float()
+
+
+# ------------------------------------------------------------------------------------------------------- loss
+
+
+def kvpo_loss(
+    logp_new: torch.Tensor,
+    logp_old: torch.Tensor,
+    logp_init: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float = 0.1,
+    clip_high: float = 0.2,
+    kl_coef: float = 10.0,
+    any_branch_beats_reference: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KVPO's loss on the branch simplex (module docstring, "Loss").
+
+    Args:
+        logp_new: ``[G]`` the current model's scores or log-policy (carries the gradient).
+        logp_old: ``[G]`` the rollout (old) policy's; logp_init: ``[G]`` the initial weights' (no gradient).
+            All three are normalised on the simplex (``x − logsumexp(x)``), so raw TVE scores do.
+        advantages: ``[G]`` (:func:`fuse_advantages`).
+        clip_low, clip_high: the ratio is clipped to ``[1 − clip_low, 1 + clip_high]``.
+        kl_coef: ``β`` of ``KL(π_θ‖π_init)``.
+        any_branch_beats_reference: False halves the loss (the official protection).
+
+    Returns:
+        ``(loss, stats)``: ``loss = scale·(−mean min(ρA, clip(ρ)A) + β·KL)`` with ``scale`` 1 or 1/2, and detached
+        0-d tensors: ``policy_loss`` and ``kl`` (unscaled), ``loss_scale``, ``protected`` (1.0 when halved),
+        ``clip_fraction`` (share of branches whose ρ the clip moves by more than 1e-6, the official measure), ``ratio_mean`` / ``ratio_min`` /
+        ``ratio_max``, ``entropy`` (of π_θ), ``pi_max``.
+    """
+    shape = logp_new.shape
+    if logp_new.ndim != 1 or logp_new.numel() < 1 or any(t.shape != shape for t in (logp_old, logp_init, advantages)):
+        raise ValueError(f"logp_new {tuple(shape)}, logp_old {tuple(logp_old.shape)}, logp_init "
+                         f"{tuple(logp_init.shape)} and advantages {tuple(advantages.shape)} must all be [G]")
+    if not 0 < clip_low < 1 or clip_high <= 0:
+        raise ValueError(f"clip_low must be in (0, 1) and clip_high > 0, got {clip_low}, {clip_high}")
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    dtype = torch.promote_types(logp_new.dtype, torch.float32)
+    log_pi = branch_log_policy(logp_new.to(dtype))
+    log_pi_old = branch_log_policy(logp_old.detach().to(dtype))
+    log_pi_init = branch_log_policy(logp_init.detach().to(dtype))
+    log_ratio = (log_pi - log_pi_old).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.detach().to(dtype)
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    policy_loss = -torch.minimum(ratio * adv, clipped * adv).mean()
+    pi = log_pi.exp()
+    kl = (pi * (log_pi - log_pi_init)).sum()
+    scale = 1.0 if any_branch_beats_reference else 0.5
+    loss = scale * (policy_loss + kl_coef * kl)
+    with torch.no_grad():
+        r = ratio.detach()
+        stats = {
+            "policy_loss": policy_loss.detach(),
+            "kl": kl.detach(),
+            "loss_scale": torch.tensor(scale),
+            "protected": torch.tensor(0.0 if any_branch_beats_reference else 1.0),
+            "clip_fraction": ((r - r.clamp(1.0 - clip_low, 1.0 + clip_high)).abs() > 1e-6).float().mean(),
+            "ratio_mean": r.mean(),
+            "ratio_min": r.min(),
+            "ratio_max": r.max(),
+            "entropy": -(pi * log_pi).sum().detach(),
+            "pi_max": pi.max().detach(),
+        }
+    return loss, stats
