@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .config import validate
+from .config import STREAM_FAMILY, streaming_model_message, validate
 
 __all__ = [
     "REPO_ROOT",
@@ -88,9 +88,12 @@ def build_adapter(model: DictConfig, *, device: str | torch.device = "cpu"):
 
     ``model.pretrained`` is a local pipeline directory (relative: cwd, then the repo root), a hub id, or
     ``tiny-random:<family>``. A path that is clearly local but missing fails at once (no hub round-trip),
-    naming ``model.pretrained``.
+    naming ``model.pretrained``. A streaming model (``model.family=causal_wan``) is refused before anything loads:
+    it is loaded by ``flowgrpo.models.load_stream_pipeline``.
     """
     validate(model)
+    if model.family == STREAM_FAMILY:
+        raise ValueError(streaming_model_message(model))
     from .models import load_adapter  # heavy (diffusers): import on use
 
     pretrained = model.pretrained

@@ -33,6 +33,8 @@ from samplers import KERNELS, SOLVERS
 __all__ = [
     "ModelConfig",
     "LoraConfig",
+    "StreamModelConfig",
+    "STREAM_FAMILY",
     "SamplerConfig",
     "AlgoConfig",
     "RewardConfig",
@@ -45,6 +47,7 @@ __all__ = [
     "register_configs",
     "algo_schema",
     "validate",
+    "streaming_model_message",
     "ConfigError",
 ]
 
@@ -61,6 +64,12 @@ def _knob(default: Any = MISSING, *, choices: tuple | None = None, ge: float | N
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: ``model.family`` of streaming models (a causal Wan, block by block: ``flowgrpo.models.StreamingWanPipeline``).
+STREAM_FAMILY = "causal_wan"
+#: families that generate videos (``model.num_frames`` set).
+VIDEO_FAMILIES = ("wan", STREAM_FAMILY)
+#: Wan 2.1's VAE: pixel frame 0 is latent frame 0, then 4 pixel frames per latent frame.
+_WAN_TEMPORAL = 4
 
 # --------------------------------------------------------------------------------------------- model
 
@@ -77,10 +86,32 @@ class LoraConfig:
 
 
 @dataclass
+class StreamModelConfig:
+    """A streaming model (``model.family=causal_wan``): its checkpoint and how it streams. The settings are those of
+    ``flowgrpo.models.StreamConfig``; frame size, guidance, negative prompt and text length are the model's own keys
+    (``model.height``, ``model.guidance_scale``, ...)."""
+
+    # the streaming checkpoint loaded into the transformer of model.pretrained (Self-Forcing's self_forcing_dmd.pt,
+    # LongLive's longlive_base.pt); null: model.pretrained is a streaming model directory (with stream_config.json)
+    checkpoint: Optional[str] = MISSING
+    checkpoint_key: Optional[str] = None  # its entry; null = generator with a LoRA, else generator_ema if present
+    lora_checkpoint: Optional[str] = MISSING  # a LoRA merged into its weights (LongLive's lora.pt); null = none
+    lora_alpha: Optional[float] = _knob(None, gt=0)  # that LoRA's alpha (merged as alpha/rank · B·A); null = its rank
+    block_frames: int = _knob(1, ge=1)  # latent frames per block
+    num_steps: int = _knob(4, ge=1)  # denoising steps per block: 1000·(1 − j/S), warped by shift
+    shift: float = _knob(5.0, gt=0)  # static shift of those steps (Self-Forcing: 4 steps, shift 5)
+    sink_frames: int = _knob(1, ge=0)  # first latent frames every block attends to (whole blocks)
+    window_frames: Optional[int] = _knob(None, ge=1)  # newest latent frames a block sees, itself included; null = all
+    cache_frames: Optional[int] = _knob(None, ge=1)  # most latent frames kept in the KV cache; null = all written ones
+    context_sigma: float = _knob(0.0, ge=0, le=1)  # noise level of the context written to the cache (0: clean)
+    recache: bool = True  # at a prompt switch, re-write the cached window under the new prompt (LongLive)
+
+
+@dataclass
 class ModelConfig:
     """Which pipeline to load and how to run it (``conf/model/*.yaml``)."""
 
-    family: str = MISSING  # adapter family (flowgrpo.models.ADAPTERS): sd3, flux, wan
+    family: str = MISSING  # adapter family (flowgrpo.models.ADAPTERS): sd3, flux, wan; causal_wan: a streaming Wan
     pretrained: str = MISSING  # local dir, hub id, or "tiny-random:<family>" for the in-memory test twin
     torch_dtype: str = _knob("float32", choices=DTYPES)  # dtype the frozen weights load in
     vae_dtype: Optional[str] = _knob(None, choices=(None, *DTYPES))  # the decoder's dtype; null = torch_dtype
@@ -96,6 +127,7 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA shape and where it goes
     gradient_checkpointing: bool = False  # trade compute for memory in the transformer's backward
     pipeline_kwargs: Dict[str, Any] = field(default_factory=dict)  # extra from_pretrained kwargs (text_encoder_3: null)
+    stream: Optional[StreamModelConfig] = None  # causal_wan: the streaming checkpoint and settings; null otherwise
 
 
 # ------------------------------------------------------------------------------------------- sampler
@@ -313,6 +345,15 @@ def _full_key(node: DictConfig, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
+def _nested_schema(tp: Any) -> type | None:
+    """The dataclass of a nested group field (``LoraConfig``, or ``Optional[StreamModelConfig]``), else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if typing.get_origin(tp) is typing.Union and len(args) == 1 and dataclasses.is_dataclass(
+        args[0]) else None
+
+
 def _check_fields(node: Any, schema: type, errors: list[str]) -> None:
     hints = typing.get_type_hints(schema)
     names = {f.name for f in dataclasses.fields(schema)}
@@ -323,8 +364,9 @@ def _check_fields(node: Any, schema: type, errors: list[str]) -> None:
         if f.name not in node or OmegaConf.is_missing(node, f.name):
             continue  # a MISSING value is reported by OmegaConf itself when it is read
         value = node[f.name]
-        if dataclasses.is_dataclass(hints.get(f.name)) and isinstance(value, DictConfig):
-            _check_fields(value, hints[f.name], errors)
+        nested = _nested_schema(hints.get(f.name))
+        if nested is not None and isinstance(value, DictConfig):
+            _check_fields(value, nested, errors)
             continue
         meta, key = f.metadata, _full_key(node, f.name)
         if value is None or not meta:
@@ -339,17 +381,84 @@ def _check_fields(node: Any, schema: type, errors: list[str]) -> None:
             errors.append(f"{key}={value!r} must be <= {meta['le']}")
 
 
+def _model_checks(m: DictConfig, errors: list[str]) -> None:
+    """Constraints between the keys of a ``model`` node."""
+    if OmegaConf.is_missing(m, "family"):
+        return
+    if not OmegaConf.is_missing(m, "pretrained"):
+        if m.pretrained.startswith("tiny-random:") and m.pretrained != f"tiny-random:{m.family}":
+            errors.append(f"model.pretrained={m.pretrained!r} does not match model.family={m.family!r}")
+    if m.family in VIDEO_FAMILIES and m.num_frames is None:
+        errors.append(f"model.num_frames must be set for model.family={m.family!r} (a video model)")
+    if m.family not in VIDEO_FAMILIES and m.num_frames is not None:
+        errors.append(f"model.num_frames={m.num_frames} is only for video models (model.family='wan' or "
+                      f"{STREAM_FAMILY!r}): set it to null")
+    if m.family != STREAM_FAMILY:
+        if m.get("stream") is not None:
+            errors.append(f"model.stream is only for streaming models (model.family={STREAM_FAMILY!r}): set it to "
+                          "null")
+        return
+    st = m.get("stream")
+    if st is None:
+        errors.append(f"model.stream must be set for model.family={STREAM_FAMILY!r} (the streaming checkpoint and "
+                      "its settings)")
+        return
+    if m.attention != "sdpa":
+        errors.append(f"model.attention={m.attention!r}: a streaming model runs its own causal attention over "
+                      "PyTorch's fused kernel; use model.attention=sdpa")
+    if not OmegaConf.is_missing(st, "checkpoint") and not OmegaConf.is_missing(st, "lora_checkpoint") \
+            and st.checkpoint is None and st.lora_checkpoint is not None:
+        errors.append("model.stream.lora_checkpoint is merged into the weights of model.stream.checkpoint, which is "
+                      "null: set both, or neither for a streaming model directory")
+    b = st.block_frames
+    if b < 1:
+        return  # reported by _check_fields
+    if st.sink_frames % b:
+        errors.append(f"model.stream.sink_frames={st.sink_frames} must be whole blocks of "
+                      f"model.stream.block_frames={b}")
+    if st.window_frames is not None and st.window_frames % b:
+        errors.append(f"model.stream.window_frames={st.window_frames} must be whole blocks of "
+                      f"model.stream.block_frames={b}")
+    if st.cache_frames is not None and st.window_frames is not None \
+            and st.cache_frames < st.sink_frames + st.window_frames:
+        errors.append(f"model.stream.cache_frames={st.cache_frames} must hold the sink and the window "
+                      f"(model.stream.sink_frames + window_frames = {st.sink_frames + st.window_frames})")
+    if m.num_frames is not None:
+        latent = (m.num_frames - 1) // _WAN_TEMPORAL + 1
+        if (m.num_frames - 1) % _WAN_TEMPORAL or latent % b:
+            errors.append(f"model.num_frames={m.num_frames} must be {_WAN_TEMPORAL}·k + 1 frames whose k + 1 latent "
+                          f"frames are whole blocks of model.stream.block_frames={b} (e.g. "
+                          f"{_WAN_TEMPORAL * (max(1, round(latent / b)) * b - 1) + 1})")
+
+
+def _model_option() -> str | None:
+    """The ``model=`` option of the running Hydra app (``python train.py model=NAME``), if any."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return HydraConfig.get().runtime.choices.get("model")
+
+
+def streaming_model_message(model: DictConfig, option: str | None = None) -> str:
+    """Why the trainer refuses a streaming model, and how to sample it instead (``option``: its ``model=`` name;
+    default: the running Hydra app's choice)."""
+    option = option or _model_option()
+    name = option or "NAME"
+    return (f"{'model=' + option if option else 'this model'} is a streaming model (model.family={model.family!r}): "
+            f"it generates a video block by block and can be sampled with `python -m flowgrpo.stream --preset {name} "
+            f"--set model.stream.checkpoint=PATH --prompt ...` (conf/model/{name}.yaml). Training it needs a "
+            f"streaming algorithm, which is not available yet: every algo= here trains a model that denoises whole "
+            f"clips")
+
+
 def _cross_checks(cfg: DictConfig, errors: list[str]) -> None:
     """Constraints between keys (each message names the keys to change)."""
     m, s, a = cfg.get("model"), cfg.get("sampler"), cfg.get("algo")
-    if m is not None and not OmegaConf.is_missing(m, "pretrained") and not OmegaConf.is_missing(m, "family"):
-        if m.pretrained.startswith("tiny-random:") and m.pretrained != f"tiny-random:{m.family}":
-            errors.append(f"model.pretrained={m.pretrained!r} does not match model.family={m.family!r}")
-        if m.family == "wan" and m.num_frames is None:
-            errors.append("model.num_frames must be set for model.family='wan' (a video model)")
-        if m.family != "wan" and m.num_frames is not None:
-            errors.append(f"model.num_frames={m.num_frames} is only for video models (model.family='wan'): "
-                          "set it to null")
+    if m is not None and not OmegaConf.is_missing(cfg, "model"):
+        _model_checks(m, errors)
+        if not OmegaConf.is_missing(m, "family") and m.family == STREAM_FAMILY:  # the trainer's config
+            errors.append(streaming_model_message(m))
     r = cfg.get("reward")
     if r is not None and not OmegaConf.is_missing(r, "name") and r.aggregate.name != "sum" and r.name != "multi":
         errors.append(f"reward.aggregate.name={r.aggregate.name!r} combines the components of a multi-reward, but "
@@ -388,6 +497,8 @@ def validate(cfg: DictConfig) -> DictConfig:
             raise TypeError("validate() takes the composed config or one of its group nodes")
         if schema is not None:
             _check_fields(cfg, schema, errors)
+        if schema is ModelConfig and not errors:
+            _model_checks(cfg, errors)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     return cfg

@@ -171,6 +171,16 @@ def _cell(text: str) -> str:
     return "".join(out)
 
 
+def _nested(tp: Any) -> type | None:
+    """The dataclass of a nested group field: ``LoraConfig`` or ``Optional[StreamModelConfig]``; else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is typing.Union and len(args) == 1 and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
+
+
 def _rows(schema: type, prefix: str, nested: list[tuple[str, type]]) -> list[str]:
     hints = typing.get_type_hints(schema)
     rows = []
@@ -178,9 +188,11 @@ def _rows(schema: type, prefix: str, nested: list[tuple[str, type]]) -> list[str
         tp = hints.get(f.name, Any)
         key = f"{prefix}.{f.name}"
         doc = field_doc(schema, f.name)
-        if dataclasses.is_dataclass(tp):
-            nested.append((key, tp))
-            default = f"see [`{key}.*`](#{key.replace('.', '')})"
+        sub = _nested(tp)
+        if sub is not None:
+            nested.append((key, sub))
+            see = f"see [`{key}.*`](#{key.replace('.', '')})"
+            default = see if sub is tp else f"{_value_text(_default(f))}; {see}"
         else:
             default = _value_text(_default(f))
         rows.append(f"| `{key}` | {_type_text(tp)} | {default} | {_allowed(f)} | {_cell(doc) if doc else '**undocumented**'} |")
@@ -305,8 +317,9 @@ def undocumented() -> list[str]:
             key = f"{prefix}.{f.name}"
             if not field_doc(schema, f.name):
                 missing.append(f"{key} ({schema.__module__}.{schema.__qualname__})")
-            if dataclasses.is_dataclass(hints.get(f.name)):
-                walk(hints[f.name], key)
+            sub = _nested(hints.get(f.name))
+            if sub is not None:
+                walk(sub, key)
 
     for group, schema in GROUP_SCHEMAS.items():
         walk(schema, group)

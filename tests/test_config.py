@@ -29,6 +29,9 @@ CONF = REPO_ROOT / "conf"
 GROUPS = list(GROUP_SCHEMAS)  # model sampler algo reward data logger trainer
 PRESETS = ["experiment", "debug"]
 TINY_MODELS = ["tiny_sd3", "tiny_flux", "tiny_wan"]
+# Streaming models (model.family=causal_wan): sampled by python -m flowgrpo.stream, refused by the trainer; loaded
+# through tiny twins in tests/test_stream_presets.py.
+STREAM_MODELS = ["longlive_wan", "self_forcing_wan"]
 
 
 def options(group: str) -> list[str]:
@@ -46,6 +49,8 @@ EXPECTED_MISSING = {
     ("experiment", "flow_grpo_sd35m_geneval"): {"data.train_file", "data.test_file"},
     ("experiment", "flow_grpo_wan21_1_3b"): {"data.train_file"},  # the user's prompt list
     ("experiment", "flow_grpo_wan22_5b"): {"data.train_file"},
+    ("model", "self_forcing_wan"): {"model.stream.checkpoint"},  # the user's checkpoint files
+    ("model", "longlive_wan"): {"model.stream.checkpoint", "model.stream.lora_checkpoint"},
 }
 
 ALL_OPTIONS = [(g, o) for g in GROUPS + PRESETS for o in options(g)]
@@ -99,7 +104,12 @@ def test_tree_has_the_groups_of_design(hydra_compose):
 @pytest.mark.parametrize("group,option", ALL_OPTIONS, ids=[f"{g}={o}" for g, o in ALL_OPTIONS])
 def test_every_option_composes_and_validates(hydra_compose, group, option):
     cfg = hydra_compose([f"{group}={option}", *PARTNERS.get((group, option), [])])
-    validate(cfg)
+    if group == "model" and option in STREAM_MODELS:  # a valid model, but no config the trainer can run
+        validate(cfg.model)
+        with pytest.raises(ConfigError, match="is a streaming model .*python -m flowgrpo.stream --preset"):
+            validate(cfg)
+    else:
+        validate(cfg)
     for g, schema in GROUP_SCHEMAS.items():  # every group node is typed by its schema (the algorithm's own)
         expected = algo_schema(cfg.algo.name) if g == "algo" else schema
         assert OmegaConf.get_type(cfg[g]) is expected, g
@@ -125,7 +135,8 @@ def test_config_files_start_with_their_command_and_comment_every_knob():
     for path in sorted(CONF.rglob("*.yaml")):
         lines = path.read_text(encoding="utf-8").splitlines()
         head = [line for line in lines[:3] if line.startswith("#") and "@package" not in line]
-        assert head and ("python train.py" in head[0] or "accelerate launch" in head[0] or "On every node" in head[0]), \
+        assert head and any(c in head[0] for c in ("python train.py", "accelerate launch", "On every node",
+                                                   "python -m flowgrpo.stream --preset")), \
             f"{path.relative_to(REPO_ROOT)} must open with the command that uses it"
         if path.parent.name == "accelerate":
             continue  # plain accelerate files, not Hydra nodes
@@ -277,7 +288,7 @@ def test_tiny_models_instantiate_and_sample(hydra_compose, name):
 
 
 @pytest.mark.filterwarnings("ignore:The `local_dir_use_symlinks` argument is deprecated")
-@pytest.mark.parametrize("name", sorted(set(options("model")) - set(TINY_MODELS)))
+@pytest.mark.parametrize("name", sorted(set(options("model")) - set(TINY_MODELS) - set(STREAM_MODELS)))
 def test_real_models_validate_and_fail_clearly_offline(hydra_compose, name, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = validate(hydra_compose([f"model={name}"]))

@@ -9,6 +9,7 @@ from .causal_wan import CacheState, CausalWan
 from .flux import FluxAdapter
 from .load import load_adapter
 from .sd3 import SD3Adapter
+from .stream_load import load_stream_pipeline
 from .stream_pipeline import StreamConfig, StreamingWanPipeline
 from .tiny import build_tiny_pipeline
 from .wan import WanAdapter
@@ -26,6 +27,7 @@ __all__ = [
     "WanAdapter",
     "build_tiny_pipeline",
     "load_adapter",
+    "load_stream_pipeline",
     "load_streaming_wan_state_dict",
     "load_streaming_wan_transformer",
     "merge_lora",
