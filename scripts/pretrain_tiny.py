@@ -338,6 +338,26 @@ def sample_pad_counts(n: int, device) -> torch.Tensor:
     return torch.where(torch.rand(n, device=device) < 0.5, torch.full_like(free, PIPELINE_PAD_TOKENS), free)
 
 
+# ---------------------------------------------------------------------------------------------- data bank
+def bank_batch(bank, fresh, *, bank_size: int, refresh: int, batch: int, device):
+    """A batch drawn from a bank of encoded samples, ``refresh`` random entries of which are replaced by fresh ones
+    first (``fresh(n) -> (latents [n, ...], labels)``; the bank is filled on first use). Returns ``(bank, latents
+    float32 on device, labels)``: keep the bank in the checkpoint and resume stays exact (the draws use the global
+    torch RNG, in a fixed order)."""
+    if bank is None:
+        chunks = [fresh(min(batch, bank_size - i)) for i in range(0, bank_size, batch)]
+        bank = (torch.cat([c[0] for c in chunks]).to(torch.float16), [x for c in chunks for x in c[1]])
+    latents, labels = bank
+    if refresh > 0:
+        slots = torch.randperm(bank_size)[:refresh]
+        new, new_labels = fresh(len(slots))
+        latents[slots] = new.to(latents.dtype)
+        for slot, label in zip(slots.tolist(), new_labels):
+            labels[slot] = label
+    pick = torch.randint(bank_size, (batch,))
+    return bank, latents[pick].float().to(device), [labels[i] for i in pick.tolist()]
+
+
 # ---------------------------------------------------------------------------------------------- state
 def save_state(state: dict, ckpt_dir: Path) -> Path:
     """``torch.save`` to ``ckpt_dir/last.pt`` atomically (write, fsync, rename): a crash keeps the previous one."""

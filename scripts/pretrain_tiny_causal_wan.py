@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from diffusers import WanPipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pretrain_tiny import ema_pipeline, lr_at, sample_sigmas, save_pipeline, save_state  # noqa: E402
+from pretrain_tiny import bank_batch, ema_pipeline, lr_at, sample_sigmas, save_pipeline, save_state  # noqa: E402
 from pretrain_tiny_wan import build_pipeline  # noqa: E402
 
 from flowgrpo.models import CausalWan, StreamConfig  # noqa: E402
@@ -187,21 +187,13 @@ class Trainer:
         return torch.cat([self.encode_video(x[i:i + 8]) for i in range(0, n, 8)]), metas
 
     def batch(self) -> tuple[torch.Tensor, list[dict]]:
+        """Fresh streams (``--bank-size 0``), or a draw from a bank of encoded streams refreshed every step."""
         args = self.args
         if args.bank_size <= 0:
             return self.fresh(args.batch)
-        if self.bank is None:
-            chunks = [self.fresh(min(args.batch, args.bank_size - i)) for i in range(0, args.bank_size, args.batch)]
-            self.bank = (torch.cat([c[0] for c in chunks]).to(torch.float16), [m for c in chunks for m in c[1]])
-        latents, metas = self.bank
-        if args.bank_refresh > 0:
-            slots = torch.randperm(args.bank_size)[: args.bank_refresh]
-            new, new_metas = self.fresh(len(slots))
-            latents[slots] = new.to(latents.dtype)
-            for slot, meta in zip(slots.tolist(), new_metas):
-                metas[slot] = meta
-        pick = torch.randint(args.bank_size, (args.batch,))
-        return latents[pick].float().to(self.device), [metas[i] for i in pick.tolist()]
+        self.bank, latents, metas = bank_batch(self.bank, self.fresh, bank_size=args.bank_size,
+                                               refresh=args.bank_refresh, batch=args.batch, device=self.device)
+        return latents, metas
 
     # -- training ------------------------------------------------------------------------------------------------
     def train_step(self) -> dict:

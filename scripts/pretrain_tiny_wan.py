@@ -69,7 +69,7 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pretrain_tiny import ema_pipeline, lr_at, sample_sigmas, save_pipeline, save_state  # noqa: E402  (shared with the image asset)
+from pretrain_tiny import bank_batch, ema_pipeline, lr_at, sample_sigmas, save_pipeline, save_state  # noqa: E402  (shared with the image asset)
 
 from flowgrpo.world import (  # noqa: E402
     CLASSES,
@@ -377,18 +377,9 @@ class Trainer:
         args = self.args
         if args.bank_size <= 0:
             return self.fresh_latents(args.batch)
-        if self.bank is None:
-            chunks = [self.fresh_latents(min(args.batch, args.bank_size - i)) for i in range(0, args.bank_size, args.batch)]
-            self.bank = (torch.cat([c[0] for c in chunks]).to(torch.float16), [p for c in chunks for p in c[1]])
-        latents, captions = self.bank
-        if args.bank_refresh > 0:
-            slots = torch.randperm(args.bank_size)[: args.bank_refresh]
-            fresh, fresh_captions = self.fresh_latents(len(slots))
-            latents[slots] = fresh.to(latents.dtype)
-            for slot, caption in zip(slots.tolist(), fresh_captions):
-                captions[slot] = caption
-        pick = torch.randint(args.bank_size, (args.batch,))
-        return latents[pick].float().to(self.device), [captions[i] for i in pick.tolist()]
+        self.bank, latents, captions = bank_batch(self.bank, self.fresh_latents, bank_size=args.bank_size,
+                                                  refresh=args.bank_refresh, batch=args.batch, device=self.device)
+        return latents, captions
 
     def flow_step(self) -> dict:
         args, pipe = self.args, self.pipe

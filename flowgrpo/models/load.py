@@ -38,6 +38,21 @@ def parse_dtype(torch_dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+def set_vae_dtype(pipe, vae_dtype: str | None) -> None:
+    """Cast the pipeline's VAE to ``vae_dtype`` (``model.vae_dtype``; None: leave it). The adapters' ``decode`` casts
+    the latents to the VAE's dtype and returns float32."""
+    if vae_dtype is None:
+        return
+    from diffusers.utils import logging as diffusers_logging
+
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # .to(dtype) warns about fp32-kept modules even when there are none
+    try:
+        pipe.vae.to(parse_dtype(vae_dtype))
+    finally:
+        diffusers_logging.set_verbosity(level)
+
+
 def _where(pretrained: str) -> str:
     if os.path.isabs(pretrained) or pretrained.startswith("."):
         return f"local path {pretrained!r}"
@@ -188,15 +203,7 @@ def load_adapter(
             if isinstance(component, torch.nn.Module):
                 component.eval()  # from_pretrained does this already; make it explicit for every module
     pipe.to(device)
-    if vae_dtype is not None:  # decode() casts the latents to the VAE's dtype and returns float32
-        from diffusers.utils import logging as diffusers_logging
-
-        level = diffusers_logging.get_verbosity()
-        diffusers_logging.set_verbosity_error()  # .to(dtype) warns about fp32-kept modules even when there are none
-        try:
-            pipe.vae.to(parse_dtype(vae_dtype))
-        finally:
-            diffusers_logging.set_verbosity(level)
+    set_vae_dtype(pipe, vae_dtype)
     pipe.set_progress_bar_config(disable=True)
     if attention == "xformers":
         pipe.enable_xformers_memory_efficient_attention()

@@ -35,7 +35,7 @@ from typing import Any, Mapping
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .load import check_tokenizers, parse_dtype
+from .load import check_tokenizers, parse_dtype, set_vae_dtype
 from .stream_pipeline import STREAM_CONFIG_NAME, StreamConfig, StreamingWanPipeline
 
 __all__ = ["load_stream_pipeline", "stream_config_of"]
@@ -186,16 +186,7 @@ def load_stream_pipeline(
         if isinstance(component, torch.nn.Module):
             component.eval()
     pipe.to(device)
-    vae_dtype = m.get("vae_dtype")
-    if vae_dtype is not None:
-        from diffusers.utils import logging as diffusers_logging
-
-        level = diffusers_logging.get_verbosity()
-        diffusers_logging.set_verbosity_error()  # .to(dtype) warns about fp32-kept modules even when there are none
-        try:
-            pipe.vae.to(parse_dtype(vae_dtype))
-        finally:
-            diffusers_logging.set_verbosity(level)
+    set_vae_dtype(pipe, m.get("vae_dtype"))
     pipe.set_progress_bar_config(disable=True)
     return StreamingWanPipeline(pipe, config)
 
