@@ -88,38 +88,7 @@ __all__ = [
     "shape_box",
     "split_prompts",
 ]
-from .streams import (
-    STREAM_NUM_FRAMES,
-    STREAM_PERTURBATIONS,
-    StreamTrack,
-    corrupt_stream,
-    draw_stream,
-    frame_segments,
-    latent_segments,
-    perturb_stream,
-    render_stream,
-    sample_stream_metadata,
-    sample_stream_tracks,
-    split_stream_prompts,
-    stream_fits,
-    stream_metadata_for,
-    stream_training_samples,
-)
+from . import streams as _streams
+from .streams import *  # noqa: E402,F401,F403  (the streams API, listed in streams.__all__)
 
-__all__ += [
-    "STREAM_NUM_FRAMES",
-    "STREAM_PERTURBATIONS",
-    "StreamTrack",
-    "corrupt_stream",
-    "draw_stream",
-    "frame_segments",
-    "latent_segments",
-    "perturb_stream",
-    "render_stream",
-    "sample_stream_metadata",
-    "sample_stream_tracks",
-    "split_stream_prompts",
-    "stream_fits",
-    "stream_metadata_for",
-    "stream_training_samples",
-]
+__all__ += _streams.__all__
