@@ -55,3 +55,20 @@ def test_training_segments_are_the_pipelines_blocks():
         starts = [s["start"] for s in meta["segments"][1:]]
         _, segment_of_block = pipe.layout(len(meta["segments"]), starts, meta["num_frames"])
         assert segment_of_block == latent_segments(meta)
+
+
+def test_the_shipped_streaming_asset_loads_offline_and_streams():
+    """assets/tiny-causal-wan-shapes: a plain WanPipeline directory (from_pretrained, no extra arguments) plus its
+    stream settings, under 30 MB; a short stream with a switch is a video in [0, 1]."""
+    from diffusers import WanPipeline
+
+    asset = Path(__file__).resolve().parents[1] / "assets" / "tiny-causal-wan-shapes"
+    size = sum(f.stat().st_size for f in asset.rglob("*") if f.is_file())
+    assert size < 30 * 2**20, size
+    assert isinstance(WanPipeline.from_pretrained(asset), WanPipeline)
+    pipe = StreamingWanPipeline.from_pretrained(asset, num_steps=2)
+    assert (pipe.config.block_frames, pipe.config.sink_frames, pipe.config.window_frames) == (1, 1, 4)
+    assert pipe.config.recache is False                 # trained without re-cache, sampled so
+    video = pipe(["a red circle moving left", "a red circle standing still"], switch_frames=[9], num_frames=17,
+                 generator=torch.Generator().manual_seed(0)).videos
+    assert video.shape == (1, 17, 3, 64, 64) and 0 <= float(video.min()) <= float(video.max()) <= 1
