@@ -265,6 +265,7 @@ class Trainer:
 
     def export(self) -> None:
         pipe = ema_pipeline(self.pipe, ("transformer",), self.ema)
+        pipe.register_to_config(_name_or_path=Path(self.args.out).name)  # no local path in the export
         summary = {"script": "scripts/pretrain_tiny_causal_wan.py", "step": self.step, "args": vars(self.args),
                    "last_log": self.log[-5:]}
         save_pipeline(pipe, Path(self.args.out), summary)
