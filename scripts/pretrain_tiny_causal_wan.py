@@ -60,8 +60,9 @@ from flowgrpo.world.streams import (  # noqa: E402
     corrupt_stream,
     latent_segments,
     render_stream,
+    held_out_sequences,
     sample_stream_metadata,
-    split_stream_prompts,
+    sequence_key,
     stream_fits,
 )
 
@@ -70,15 +71,6 @@ DEFAULT_INIT = ROOT / "assets" / "tiny-wan-shapes"
 DEFAULT_OUT = ROOT / "assets" / "tiny-causal-wan-shapes"
 DEFAULT_CKPT = ROOT / "outputs" / "pretrain_tiny_causal_wan"  # git-ignored
 MAX_SEGMENTS = 4  # 1-3 switches
-
-
-def sequence_key(metadata: dict) -> tuple[str, ...]:
-    return tuple(s["prompt"] for s in metadata["segments"])
-
-
-def held_out_sequences() -> set[tuple[str, ...]]:
-    """The held-out prompt sequences (what ``assets/prompts/streams_test.jsonl`` holds)."""
-    return {sequence_key(m) for m in split_stream_prompts()[1]}
 
 
 def load_init(init: str) -> WanPipeline:
@@ -132,7 +124,7 @@ class Trainer:
         self.log: list[dict] = []
         self.data_rng = np.random.default_rng(args.seed)
         self.bank: tuple[torch.Tensor, list[dict]] | None = None
-        self.exclude = held_out_sequences()
+        self.exclude = held_out_sequences()  # the world's held-out split, computed once per process
         self.text_cache: dict[str, torch.Tensor] = {}
         frames = (args.num_frames - 1) // self.pipe.vae_scale_factor_temporal + 1
         self.latent_frames = frames

@@ -39,7 +39,7 @@ from flowgrpo.world import (
     stream_training_samples,
 )
 from flowgrpo.world.motion import SPEED_RANGES, UNIT
-from flowgrpo.world.streams import MAX_SPAN, MIN_SEGMENT, _min_spans, _sequence_key
+from flowgrpo.world.streams import MAX_SPAN, MIN_SEGMENT, _min_spans, sequence_key
 from rewards.streams import LongVideoReward, asks_differ, segment_asks, segment_bounds, validate_stream_metadata
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,7 +202,7 @@ def test_metadata_errors_name_the_key():
 def test_split_is_disjoint_covers_every_word_in_train_and_is_committed(split):
     train, test = split
     assert (len(train), len(test)) == (300, 100)
-    keys_train, keys_test = {_sequence_key(m) for m in train}, {_sequence_key(m) for m in test}
+    keys_train, keys_test = {sequence_key(m) for m in train}, {sequence_key(m) for m in test}
     assert len(keys_train) == 300 and len(keys_test) == 100 and not keys_train & keys_test
 
     def words(rows):
@@ -271,13 +271,13 @@ def test_caption_noise_and_training_samples(split):
                     still += m1 == "still"
     assert flipped / total == pytest.approx(0.2, abs=0.03) and still / total == pytest.approx(0.1, abs=0.03)
 
-    held_out = {_sequence_key(m) for m in test}
+    held_out = {sequence_key(m) for m in test}
     samples = list(stream_training_samples(6, seed=5, opposite=0.5, still=0.0))
     again = list(stream_training_samples(6, seed=5, opposite=0.5, still=0.0))
     assert len(samples) == 6
     for (meta, clip), (meta2, clip2) in zip(samples, again):  # seeded
         assert meta == meta2 and np.array_equal(clip, clip2)
-        assert _sequence_key(meta) not in held_out
+        assert sequence_key(meta) not in held_out
         assert clip.shape == (meta["num_frames"], SIZE, SIZE, 3) and clip.dtype == np.uint8
     pooled = list(stream_training_samples(3, seed=0, pool=test[:2], num_frames=49))
     assert all(m in test[:2] for m, _ in pooled)

@@ -87,11 +87,13 @@ __all__ = [
     "corrupt_stream",
     "draw_stream",
     "frame_segments",
+    "held_out_sequences",
     "latent_segments",
     "perturb_stream",
     "render_stream",
     "sample_stream_metadata",
     "sample_stream_tracks",
+    "sequence_key",
     "split_stream_prompts",
     "stream_fits",
     "stream_metadata_for",
@@ -146,7 +148,8 @@ def latent_segments(metadata: dict, compression: int = TEMPORAL_COMPRESSION) -> 
     return [per_frame[0]] + [per_frame[compression * (j - 1) + 1] for j in range(1, (T - 1) // compression + 1)]
 
 
-def _sequence_key(metadata: dict) -> tuple[str, ...]:
+def sequence_key(metadata: dict) -> tuple[str, ...]:
+    """A stream's prompt sequence (its segments' prompts, whatever the switch frames): what the splits compare."""
     return tuple(s["prompt"] for s in metadata["segments"])
 
 
@@ -317,8 +320,8 @@ def split_stream_prompts(seed: int = 0, n_train: int = 300, n_test: int = 100,
         if len(rows) == n_train + n_test:
             break
         meta = sample_stream_metadata(rng, num_frames)
-        if _sequence_key(meta) not in seen:
-            seen.add(_sequence_key(meta))
+        if sequence_key(meta) not in seen:
+            seen.add(sequence_key(meta))
             rows.append(meta)
     else:
         raise RuntimeError(f"could not draw {n_train + n_test} distinct stream prompt sequences")
@@ -539,9 +542,9 @@ def corrupt_stream(metadata: dict, rng: np.random.Generator, opposite: float, st
 
 
 @functools.lru_cache(maxsize=1)
-def _held_out_sequences() -> frozenset[tuple[str, ...]]:
+def held_out_sequences() -> frozenset[tuple[str, ...]]:
     """The prompt sequences of the held-out split (seed 0), which pretraining never shows."""
-    return frozenset(_sequence_key(m) for m in split_stream_prompts()[1])
+    return frozenset(sequence_key(m) for m in split_stream_prompts()[1])
 
 
 def stream_training_samples(
@@ -569,7 +572,7 @@ def stream_training_samples(
         raise ValueError(f"stream_training_samples needs opposite, still >= 0 with opposite + still <= 1; got "
                          f"{opposite}, {still}")
     rng = np.random.default_rng(seed)
-    held_out = set() if pool is not None else _held_out_sequences()
+    held_out = set() if pool is not None else held_out_sequences()
     if pool is not None and len(pool) == 0:
         raise ValueError("stream_training_samples: pool is empty")
     made = 0
@@ -578,7 +581,7 @@ def stream_training_samples(
             meta = copy.deepcopy(pool[int(rng.integers(len(pool)))])
         else:
             meta = sample_stream_metadata(rng, num_frames)
-            while _sequence_key(meta) in held_out:
+            while sequence_key(meta) in held_out:
                 meta = sample_stream_metadata(rng, num_frames)
         shown = meta
         if opposite or still:
