@@ -127,26 +127,31 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     out = _shared_output_dir(cfg, accelerator)
     main_process = accelerator.is_main_process
     _adopt_hydra_dir(out, main_process)
-    with run_log(out, main=main_process):
-        if main_process:
-            OmegaConf.save(cfg, out / "config.yaml", resolve=True)
-        trainer = Trainer(cfg, out, accelerator=accelerator)
-        summary = trainer.fit()
-        if main_process:
-            curves = out / "curves.png"
-            try:
-                summary["curves"] = str(plot_curves(trainer.history, trainer.evals, curves))
-            except Exception as err:  # a convenience: the numbers are in summary.json and metrics.jsonl
-                summary["curves"] = None
-                cause = getattr(err, "strerror", None) or f"{type(err).__name__}: {err}"
-                warnings.warn(f"could not write {curves}: {cause}; the run goes on", RuntimeWarning, stacklevel=2)
-            summary["output_dir"] = str(out)
-            path = out / "summary.json"
-            try:
-                atomic_write_text(path, json.dumps(summary, indent=2, default=str))
-            except OSError as err:
-                raise OSError(err.errno, f"could not write {path}: {err.strerror or err}") from err
-            log.info(f"summary: {path}")
+    try:
+        with run_log(out, main=main_process):
+            if main_process:
+                OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+            trainer = Trainer(cfg, out, accelerator=accelerator)
+            summary = trainer.fit()
+            if main_process:
+                curves = out / "curves.png"
+                try:
+                    summary["curves"] = str(plot_curves(trainer.history, trainer.evals, curves))
+                except Exception as err:  # a convenience: the numbers are in summary.json and metrics.jsonl
+                    summary["curves"] = None
+                    cause = getattr(err, "strerror", None) or f"{type(err).__name__}: {err}"
+                    warnings.warn(f"could not write {curves}: {cause}; the run goes on", RuntimeWarning, stacklevel=2)
+                summary["output_dir"] = str(out)
+                path = out / "summary.json"
+                try:
+                    atomic_write_text(path, json.dumps(summary, indent=2, default=str))
+                except OSError as err:
+                    raise OSError(err.errno, f"could not write {path}: {err.strerror or err}") from err
+                log.info(f"summary: {path}")
+    finally:
+        # a process that exits with its process group alive can abort in the backend's teardown (gloo: SIGABRT,
+        # "terminate called without an active exception"), turning a finished run into a failed launch
+        accelerator.end_training()
     return summary
 
 
