@@ -40,6 +40,7 @@ import torch
 
 from ..config import AlgoConfig, _knob
 from .base import Algorithm, Batch, UpdateContext
+from .old_policy import OldPolicy
 from .schedule import select_trained, trained_step_count
 
 __all__ = ["DiffusionNFTConfig", "DiffusionNFT", "old_policy_decay", "optimality_probability"]
@@ -97,7 +98,7 @@ class DiffusionNFT(Algorithm):
 
     def __init__(self, base_sigmas: torch.Tensor, **kwargs) -> None:
         super().__init__(base_sigmas, **kwargs)
-        self._old: list[torch.Tensor] | None = None  # the old policy's copy of the trainable weights
+        self.old = OldPolicy()  # the old policy's copy of the trainable weights
 
     # ------------------------------------------------------------------------------------------ phases
 
@@ -116,7 +117,7 @@ class DiffusionNFT(Algorithm):
     @contextlib.contextmanager
     def sampling_policy(self, ctx: UpdateContext) -> Iterator[None]:
         """Rollouts sample from the old policy."""
-        with self._old_weights(ctx):
+        with self.old.swapped_in(ctx.params):
             yield
 
     def loss(self, ctx: UpdateContext, batch: Batch, rows: torch.Tensor,
@@ -133,7 +134,7 @@ class DiffusionNFT(Algorithm):
         s_ = sigma.view(-1, *([1] * (x0.ndim - 1)))
         x_t = (1 - s_) * x0 + s_ * eps
         cond = batch.cond[rows]
-        with torch.no_grad(), self._old_weights(ctx):
+        with torch.no_grad(), self.old.swapped_in(ctx.params):
             v_old = ctx.velocity(x_t, sigma, cond)
         v = ctx.velocity(x_t, sigma, cond)
         r = optimality_probability(batch.advantages[rows], cfg.adv_clip, cfg.adv_mode).to(x0.device)
@@ -160,18 +161,13 @@ class DiffusionNFT(Algorithm):
         """``θ_old ← η·θ_old + (1−η)·θ``, ``η`` = :func:`old_policy_decay` at ``ctx.updates``."""
         if ctx is None:
             return
-        self._ensure_old(ctx)
-        eta = old_policy_decay(int(getattr(ctx, "updates", 0)), self.cfg.decay_type)
-        with torch.no_grad():
-            for old, p in zip(self._old, ctx.params):
-                old.copy_(old * eta + p.detach() * (1 - eta))
+        self.old.move(ctx.params, keep=old_policy_decay(int(getattr(ctx, "updates", 0)), self.cfg.decay_type))
 
     def state_dict(self) -> dict:
-        return {"old": None if self._old is None else [t.detach().cpu().clone() for t in self._old]}
+        return {"old": self.old.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        old = state.get("old")
-        self._old = None if old is None else [t.clone() for t in old]
+        self.old.load_state_dict(state.get("old"))
 
     def describe(self) -> str:
         k = self.trained_steps()[0]
@@ -179,34 +175,6 @@ class DiffusionNFT(Algorithm):
                 f"policy (decay type {self.cfg.decay_type}); trains {k} of {self.num_steps} noise levels per sample, "
                 f"beta={self.cfg.beta:g}, {self.cfg.loss_space}-space loss, KL weight {self.cfg.kl_beta:g}; "
                 f"{self._adv_text()}")
-
-    # ----------------------------------------------------------------------------------------- helpers
-
-    def _ensure_old(self, ctx: UpdateContext) -> None:
-        params = list(ctx.params)
-        if self._old is None:  # θ_old starts at θ
-            self._old = [p.detach().clone() for p in params]
-        elif len(self._old) != len(params) or any(o.shape != p.shape for o, p in zip(self._old, params)):
-            raise ValueError("the old policy's weights do not match the trainable parameters (a checkpoint of "
-                             "another model.lora / model.finetune?)")
-        else:
-            self._old = [o.to(device=p.device, dtype=p.dtype) for o, p in zip(self._old, params)]
-
-    @contextlib.contextmanager
-    def _old_weights(self, ctx: UpdateContext) -> Iterator[None]:
-        """The old policy's weights in the trainable parameters for the duration; the live ones come back after."""
-        self._ensure_old(ctx)
-        params = list(ctx.params)
-        with torch.no_grad():
-            live = [p.detach().clone() for p in params]
-            for p, o in zip(params, self._old):
-                p.copy_(o)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, v in zip(params, live):
-                    p.copy_(v)
 
 
 def _mean(x: torch.Tensor) -> torch.Tensor:
