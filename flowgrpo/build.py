@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .config import STREAM_FAMILY, streaming_model_message, validate
+from .config import STREAM_FAMILY, validate
 
 __all__ = [
     "REPO_ROOT",
@@ -88,12 +88,14 @@ def build_adapter(model: DictConfig, *, device: str | torch.device = "cpu"):
 
     ``model.pretrained`` is a local pipeline directory (relative: cwd, then the repo root), a hub id, or
     ``tiny-random:<family>``. A path that is clearly local but missing fails at once (no hub round-trip),
-    naming ``model.pretrained``. A streaming model (``model.family=causal_wan``) is refused before anything loads:
-    it is loaded by ``flowgrpo.models.load_stream_pipeline``.
+    naming ``model.pretrained``. A streaming model (``model.family=causal_wan``) is loaded by
+    ``flowgrpo.models.load_stream_pipeline`` and seen through a ``flowgrpo.models.StreamAdapter``.
     """
     validate(model)
     if model.family == STREAM_FAMILY:
-        raise ValueError(streaming_model_message(model))
+        from .models import StreamAdapter, load_stream_pipeline
+
+        return StreamAdapter(load_stream_pipeline(model, device=device))
     from .models import load_adapter  # heavy (diffusers): import on use
 
     pretrained = model.pretrained
@@ -475,7 +477,25 @@ def preflight(cfg: DictConfig, output_dir: str | os.PathLike) -> Preflight:
     for prompts, key in ((train_set, "data.train_file"), (test_set, "data.test_file")):
         if prompts is not None:
             check_prompt_metadata(prompts, reward, str(cfg.reward.name), key)
+            if cfg.model.family == STREAM_FAMILY:
+                check_stream_prompts(prompts, cfg.model, key)
     return Preflight(reward, train_set, test_set)
+
+
+def check_stream_prompts(prompts: PromptSet, model: DictConfig, key: str) -> None:
+    """A streaming model's prompts are streams: every record lists its segments (prompt, start frame) and is as long
+    as ``model.num_frames``. Raises ``ValueError`` naming ``FILE:LINE`` and the key."""
+    for i, record in enumerate(prompts.metadata or [None]):
+        line = prompts.lines[i] if prompts.lines is not None and record is not None else None
+        where = f"{prompts.source}:{line}" if line is not None else prompts.source
+        segments = record.get("segments") if isinstance(record, dict) else None
+        if not segments or not all(isinstance(s, dict) and "prompt" in s and "start" in s for s in segments):
+            raise ValueError(f"{where}: a streaming model (model.family={STREAM_FAMILY}) trains on streams: each "
+                             f"record needs 'segments', a list of {{'prompt', 'start'}} ({key}; e.g. "
+                             f"assets/prompts/streams_train.jsonl)")
+        frames = record.get("num_frames")
+        if frames is not None and int(frames) != model.num_frames:
+            raise ValueError(f"{where}: a stream of {frames} frames, but model.num_frames={model.num_frames} ({key})")
 
 
 # -------------------------------------------------------------------------------------------- logger

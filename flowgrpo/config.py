@@ -440,16 +440,46 @@ def _model_option() -> str | None:
     return HydraConfig.get().runtime.choices.get("model")
 
 
-def streaming_model_message(model: DictConfig, option: str | None = None) -> str:
-    """Why the trainer refuses a streaming model, and how to sample it instead (``option``: its ``model=`` name;
-    default: the running Hydra app's choice)."""
+def streaming_model_message(model: DictConfig, algo: str, option: str | None = None) -> str:
+    """Why ``algo`` cannot train a streaming model, and what can (``option``: its ``model=`` name; default: the
+    running Hydra app's choice)."""
+    from .algorithms import ALGORITHMS
+
     option = option or _model_option()
-    name = option or "NAME"
+    streaming = sorted(n for n, a in ALGORITHMS.items() if a.streaming)
     return (f"{'model=' + option if option else 'this model'} is a streaming model (model.family={model.family!r}): "
-            f"it generates a video block by block and can be sampled with `python -m flowgrpo.stream --preset {name} "
-            f"--set model.stream.checkpoint=PATH --prompt ...` (conf/model/{name}.yaml). Training it needs a "
-            f"streaming algorithm, which is not available yet: every algo= here trains a model that denoises whole "
-            f"clips")
+            f"it generates a video block by block, and algo={algo} trains a model that denoises whole clips. Train it "
+            f"with a streaming algorithm ({', '.join('algo=' + n for n in streaming)}; sampler=stream), or sample it "
+            f"with `python -m flowgrpo.stream --preset {option or 'NAME'} ...`")
+
+
+def _stream_checks(cfg: DictConfig, errors: list[str]) -> None:
+    """A streaming model trains with a streaming algorithm over its own few-step schedule; and the other way round."""
+    from .algorithms import ALGORITHMS
+
+    m, s, a = cfg.get("model"), cfg.get("sampler"), cfg.get("algo")
+    if m is None or a is None or OmegaConf.is_missing(m, "family") or OmegaConf.is_missing(a, "name") \
+            or a.name not in ALGORITHMS:
+        return
+    streaming_model, streaming_algo = m.family == STREAM_FAMILY, ALGORITHMS[a.name].streaming
+    if streaming_model and not streaming_algo:
+        errors.append(streaming_model_message(m, a.name))
+    elif streaming_algo and not streaming_model:
+        errors.append(f"algo={a.name} trains a streaming model (model.family={STREAM_FAMILY!r}, e.g. "
+                      f"model=causal_wan_shapes), but model.family={m.family!r} denoises whole clips or images")
+    if not (streaming_model and streaming_algo) or s is None or m.get("stream") is None:
+        return
+    steps = m.stream.num_steps
+    for key in ("num_steps", "eval_num_steps"):
+        if s[key] != steps:
+            errors.append(f"sampler.{key}={s[key]}: a streaming model denoises each block in its own "
+                          f"model.stream.num_steps={steps} steps; set sampler.{key}={steps} (sampler=stream does)")
+    if s.shift is not None:
+        errors.append(f"sampler.shift={s.shift}: a streaming model's noise levels are its own (model.stream.shift); "
+                      "set sampler.shift=null")
+    if s.kernel != "cps":
+        errors.append(f"sampler.kernel={s.kernel!r}: a streaming model re-noises its clean prediction between steps, "
+                      "the cps kernel (at noise level 1, its own sampler); use sampler=stream")
 
 
 def _cross_checks(cfg: DictConfig, errors: list[str]) -> None:
@@ -457,8 +487,7 @@ def _cross_checks(cfg: DictConfig, errors: list[str]) -> None:
     m, s, a = cfg.get("model"), cfg.get("sampler"), cfg.get("algo")
     if m is not None and not OmegaConf.is_missing(cfg, "model"):
         _model_checks(m, errors)
-        if not OmegaConf.is_missing(m, "family") and m.family == STREAM_FAMILY:  # the trainer's config
-            errors.append(streaming_model_message(m))
+        _stream_checks(cfg, errors)
     r = cfg.get("reward")
     if r is not None and not OmegaConf.is_missing(r, "name") and r.aggregate.name != "sum" and r.name != "multi":
         errors.append(f"reward.aggregate.name={r.aggregate.name!r} combines the components of a multi-reward, but "

@@ -123,8 +123,12 @@ def generate(
     sigmas: torch.Tensor,
     model_kw: dict[str, Any],
     autocast: Callable[[], ContextManager] = nullcontext,
+    metadata: list[dict] | None = None,
 ) -> torch.Tensor:
-    """Images ``[B, 3, H, W]`` in [0, 1] from the deterministic Euler ODE with CFG, one sample per generator.
+    """Images ``[B, 3, H, W]`` in [0, 1] from the deterministic Euler ODE with CFG, one sample per generator. A
+    streaming model (an adapter with ``chunked``) samples each stream with its own few-step sampler instead
+    (``StreamAdapter.generate``: its re-noise draws come from the sample's generator too), its segment prompts
+    from ``metadata``.
 
     Args:
         adapter: a :class:`flowgrpo.models.FlowAdapter`.
@@ -134,6 +138,8 @@ def generate(
         model_kw: :func:`flowgrpo.build.model_kwargs` of the model node (size, guidance, negative prompt, T5 length).
         autocast: a context-manager factory around each velocity (the trainer's ``accelerator.autocast``).
     """
+    if getattr(adapter, "chunked", False):
+        return adapter.generate(prompts, metadata, generators, sigmas=sigmas, model_kw=model_kw, autocast=autocast)
     guidance = model_kw["guidance"]
     extra = {k: v for k, v in guidance.items() if k != "guidance_scale"}
     cond = adapter.encode_prompts(prompts, model_kw["negative_prompt"], guidance_scale=guidance["guidance_scale"],
@@ -226,7 +232,8 @@ def score_jobs(
     for start in range(0, len(jobs), batch_size):
         part = rows.subset(range(start, min(start + batch_size, len(jobs))))
         generators = [eval_generator(seed, i, j) for i, j in jobs[start : start + len(part)]]
-        images = generate(adapter, part.prompts, generators, sigmas=sigmas, model_kw=model_kw, autocast=autocast)
+        images = generate(adapter, part.prompts, generators, sigmas=sigmas, model_kw=model_kw, autocast=autocast,
+                          metadata=part.metadata)
         out = reward(images, part.prompts, part.metadata)
         scores.append(out.scores)
         for k, v in out.components.items():

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from samplers import rollout
+from samplers import chunked_rollout, rollout
 
 from .advantages import RewardAggregator, advantage_stats, component_group_stats
 from .algorithms import Batch, UpdateContext, build_algorithm
@@ -109,6 +109,29 @@ class TrainerContext(UpdateContext):
     def generator(self, *keys: int) -> torch.Generator:
         return _gen(self._trainer.cfg.trainer.seed, _ALGO, self.iteration, self.epoch, *keys)
 
+    def _stream(self):
+        adapter = self._trainer.adapter
+        if not getattr(adapter, "chunked", False):
+            raise TypeError(f"{type(adapter).__name__} is not a streaming model (model.family=causal_wan)")
+        return adapter
+
+    @torch.no_grad()
+    def commit(self, x0, cond):
+        return self._stream().commit(x0, cond)
+
+    def routed(self, route):
+        return self._stream().wan.routed(route)
+
+    def noise(self, generators):
+        return self._trainer.adapter.prepare_noise(len(generators), generator=list(generators),
+                                                   **self._trainer.model_kw["size"])
+
+    @property
+    def stream_layout(self):
+        c = self._stream().config
+        return {"block_frames": c.block_frames, "sink_frames": c.sink_frames, "window_frames": c.window_frames,
+                "cache_frames": c.cache_frames}
+
 
 def degenerate_flags(samples: torch.Tensor, max_side: int = 128) -> torch.Tensor:
     """float ``[B]``: 1 where a decoded image ``[B, 3, H, W]`` or clip ``[B, T, 3, H, W]`` is flat or pure noise
@@ -161,7 +184,10 @@ class Trainer:
 
         # Sampler schedules and the algorithm (it decides the trained steps per sample, K).
         self.sampler = build_sampler(cfg.sampler, adapter=self.adapter, model=cfg.model)
-        self.algorithm = build_algorithm(cfg.algo, cfg.sampler, self.sampler.sigmas)
+        # a streaming model (flowgrpo.models.StreamAdapter) generates block by block: the plans get a chunk axis
+        self.chunked = bool(getattr(self.adapter, "chunked", False))
+        chunks = self.adapter.num_chunks(cfg.model.num_frames) if self.chunked else 1
+        self.algorithm = build_algorithm(cfg.algo, cfg.sampler, self.sampler.sigmas, chunks=chunks)
         self.batch = batch_plan(cfg, self.world, trained_steps=self.algorithm.trained_steps())
         self.policy = TrainerContext(self)
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
@@ -240,17 +266,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ velocity
     def _velocity_fn(self, cond, *, guidance: dict | None = None):
+        """``velocity(x, sigma)`` under ``cond``; with ``cond=None``, ``velocity(x, sigma, cond)`` (a chunked
+        rollout passes each chunk's conditioning)."""
         guidance = self.model_kw["guidance"] if guidance is None else guidance
 
-        def velocity(x, sigma):
+        def velocity(x, sigma, chunk_cond=None):
             with self.acc.autocast():
-                return self.adapter.velocity(x, sigma, cond, **guidance)
+                return self.adapter.velocity(x, sigma, cond if chunk_cond is None else chunk_cond, **guidance)
 
         return velocity
 
-    def _encode(self, prompts: list[str]):
+    def _encode(self, prompts: list[str], metadata: list[dict] | None = None):
         g = self.model_kw["guidance"]
         kwargs = {k: v for k, v in g.items() if k != "guidance_scale"}
+        if self.chunked:  # a stream's conditioning: its segment prompts and where they switch (the metadata)
+            kwargs.update(metadata=metadata, num_frames=self.cfg.model.num_frames)
         with torch.no_grad():
             return self.adapter.encode_prompts(prompts, self.model_kw["negative_prompt"],
                                                guidance_scale=g["guidance_scale"],
@@ -284,15 +314,17 @@ class Trainer:
         local = self.train_set.subset([idx[p] for p in mine])
         prompts = [p for p in local.prompts for _ in range(G)]
         metadata = None if local.metadata is None else [m for m in local.metadata for _ in range(G)]
-        cond = self._encode(local.prompts).repeat_interleave(G)
+        cond = self._encode(local.prompts, local.metadata).repeat_interleave(G)
         return Batch(prompts=prompts, metadata=metadata, global_rows=rows, cond=cond, plan=plan.subset(rows))
 
     # ------------------------------------------------------------------ 2. rollout
     def rollout(self, batch: Batch, iteration: int) -> Batch:
         """Sample the batch's trajectories with the weights the algorithm samples from
         (``Algorithm.sampling_policy``: the trained ones for the GRPO family)."""
+        self.policy.iteration, self.policy.epoch = iteration, 0
         with self.algorithm.sampling_policy(self.policy):
-            return self._sample(batch, iteration)
+            own = self.algorithm.rollout(self.policy, batch)
+            return own if own is not None else self._sample(batch, iteration)
 
     @torch.no_grad()
     def _sample(self, batch: Batch, iteration: int) -> Batch:
@@ -308,6 +340,8 @@ class Trainer:
         group_ids = (batch.global_rows // G)[::G].tolist()
         noise = self._noise(len(group_ids), group_ids, G, shared, (t.seed, _NOISE, iteration))
         sde_gens = [_gen(t.seed, _SDE, iteration, int(r)) for r in batch.global_rows]
+        if plan.chunked:
+            return self._sample_chunked(batch, noise, sde_gens)
         steps = plan.sigmas.shape[0] - 1
         latents = torch.empty(n, steps + 1, *noise.shape[1:], dtype=torch.float32, device=noise.device)
         log_probs = torch.zeros(n, steps, dtype=torch.float32, device=noise.device)
@@ -327,6 +361,30 @@ class Trainer:
                 latents[rows], log_probs[rows] = traj.latents, traj.log_probs
                 nfe += traj.nfe * len(rows)
         batch.latents, batch.log_probs, batch.nfe = latents, log_probs, nfe
+        return batch
+
+    def _sample_chunked(self, batch: Batch, noise: torch.Tensor, sde_gens: list[torch.Generator]) -> Batch:
+        """A streaming model's rollout (``samplers.chunked_rollout``): block after block, each written into the
+        model's cache by ``adapter.commit``; every block's conditioning is kept (``batch.chunk_conds``) so the update
+        rescores a transition under the context it was sampled with."""
+        plan = batch.plan
+        n = len(batch.prompts)
+        chunk = self.batch.rollout_batch_per_process
+        latents, log_probs, conds = [], [], []
+        nfe = 0
+        for start in range(0, n, chunk):
+            rows = torch.arange(start, min(start + chunk, n))
+            traj = chunked_rollout(self._velocity_fn(None), self.adapter.commit, noise[rows],
+                                   plan.sigmas, plan.sde_mask[rows], cond=batch.cond[rows], kernel=plan.kernel,
+                                   noise_level=plan.noise_level, solver=plan.solver,
+                                   generator=[sde_gens[r] for r in rows.tolist()])
+            latents.append(traj.latents)
+            log_probs.append(traj.log_probs)
+            conds.append(traj.conds)
+            nfe += traj.nfe * len(rows)
+        batch.latents, batch.log_probs, batch.nfe = torch.cat(latents), torch.cat(log_probs), nfe
+        batch.chunk_conds = [conds[0][c] if len(conds) == 1 else type(conds[0][c]).cat([part[c] for part in conds])
+                             for c in range(plan.num_chunks)]
         return batch
 
     def _rollout_shared(self, batch, rows, noise, first, sde_gens, latents, log_probs) -> int:
@@ -367,7 +425,8 @@ class Trainer:
     # ------------------------------------------------------------------ 3. score
     @torch.no_grad()
     def score(self, batch: Batch) -> Batch:
-        batch.images = self.adapter.decode(batch.latents[:, -1]).float().clamp(0, 1)
+        final = self.adapter.join_chunks(batch.latents[:, :, -1]) if batch.plan.chunked else batch.latents[:, -1]
+        batch.images = self.adapter.decode(final).float().clamp(0, 1)
         out = self.reward(batch.images, batch.prompts, batch.metadata)
         batch.rewards = out.scores.to(self.device)
         batch.components = {k: v.to(self.device) for k, v in out.components.items()}
@@ -378,7 +437,10 @@ class Trainer:
     def advantage(self, batch: Batch) -> Batch:
         """Normalise over the gathered global batch (process blocks are whole groups), keep this process's slice."""
         rewards = self.acc.gather(batch.rewards.contiguous())
-        if self.aggregator is None:
+        local = self.algorithm.local_advantages(batch)
+        if local is not None:  # relative to something inside each group: this process's groups are whole
+            adv = self.acc.gather(local.to(self.device).contiguous())
+        elif self.aggregator is None:
             adv = self.algorithm.advantages(rewards, self.cfg.trainer.group_size)
         else:  # reward.aggregate: per-component advantages from the gathered components
             comps = {k: self.acc.gather(batch.components[k].contiguous()) for k in self.aggregator.weights}

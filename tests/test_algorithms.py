@@ -347,11 +347,12 @@ CONFIGS = [
 def _check_plan(cfg, algo, sigmas):
     N, G = 3, cfg.trainer.group_size
     plan = algo.plan(N, G, generator=gen())
-    assert plan.sde_mask.shape == (N * G, plan.num_steps) and (plan.kernel, plan.solver) == (cfg.sampler.kernel,
-                                                                                             cfg.sampler.solver)
+    chunks = (plan.num_chunks,) if plan.chunked else ()  # a streaming algorithm's plans have a block axis
+    assert plan.sde_mask.shape == (N * G, *chunks, plan.num_steps)
+    assert (plan.kernel, plan.solver) == (cfg.sampler.kernel, cfg.sampler.solver)
     # the banner's arithmetic (the algorithm's count) and the plan agree
     k, note = algo.trained_steps()
-    assert k >= 1 and note and plan.train_mask.sum(1).tolist() == [k] * (N * G)
+    assert k >= 1 and note and plan.train_mask.flatten(1).sum(1).tolist() == [k] * (N * G)
     assert batch_plan(cfg, trained_steps=algo.trained_steps()).trained_steps == k
     return plan, k
 
@@ -384,10 +385,12 @@ ALGO_OPTIONS = sorted(p.stem for p in (CONF / "algo").glob("*.yaml"))
 def test_every_algorithm_runs_with_the_default_sampler_and_its_schema_defaults(hydra_compose, option):
     """``python train.py algo=X`` composes, validates and plans with no other override; the option file states only
     what differs from its schema, so the composed node equals the schema's defaults plus that."""
-    cfg = hydra_compose([f"algo={option}"])
-    # the default sampler, or the one the algorithm was published with (dance_grpo); an explicit choice wins
-    assert cfg.sampler.name == {"dance_grpo": "dance"}.get(option, hydra_compose([]).sampler.name)
-    assert hydra_compose([f"algo={option}", "sampler=cps"]).sampler.name == "cps"
+    model = ["model=causal_wan_shapes"] if ALGORITHMS[option].streaming else []  # a streaming algorithm's model
+    cfg = hydra_compose([*model, f"algo={option}"])
+    # the default sampler, or the one the algorithm was published with (dance_grpo; the streaming sampler); an
+    # explicit choice wins
+    assert cfg.sampler.name == {"dance_grpo": "dance", "stream_grpo": "stream"}.get(option, hydra_compose([]).sampler.name)
+    assert hydra_compose([*model, f"algo={option}", "sampler=cps"]).sampler.name == "cps"
     validate(cfg)
     cls = ALGORITHMS[cfg.algo.name]
     assert OmegaConf.get_type(cfg.algo) is cls.config_class

@@ -31,17 +31,23 @@ PRESETS = ["experiment", "debug"]
 TINY_MODELS = ["tiny_sd3", "tiny_flux", "tiny_wan"]
 # Streaming models (model.family=causal_wan): sampled by python -m flowgrpo.stream, refused by the trainer; loaded
 # through tiny twins in tests/test_stream_presets.py.
-STREAM_MODELS = ["longlive_wan", "self_forcing_wan"]
+STREAM_MODELS = ["causal_wan_shapes", "longlive_wan", "self_forcing_wan"]
+#: what a streaming model trains with (the other options of these groups train models that denoise whole clips)
+STREAMING = ["algo=stream_grpo", "sampler=stream", "reward=long_video", "data=motion_streams"]
 
 
 def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-# Every sampler serves every algorithm (the algorithm decides which steps are SDE): no option needs a partner.
+# Every sampler serves every clip/image algorithm (the algorithm decides which steps are SDE); the streaming sampler and
+# algorithm need a streaming model.
 # Rewards with learned weights (never on CI machines): building them must fail fast, naming the kwarg to set.
 NEEDS_WEIGHTS = {"pickscore", "hpsv21", "aesthetic", "clipscore", "imagereward", "video_clip", "video_consistency"}
-PARTNERS: dict[tuple[str, str], list[str]] = {}
+PARTNERS: dict[tuple[str, str], list[str]] = {
+    ("sampler", "stream"): ["model=causal_wan_shapes", "algo=stream_grpo"],
+    ("algo", "stream_grpo"): ["model=causal_wan_shapes"],
+}
 # Keys left for the user to fill (``???``) by design.
 EXPECTED_MISSING = {
     ("data", "text_prompts"): {"data.train_file"},
@@ -104,12 +110,12 @@ def test_tree_has_the_groups_of_design(hydra_compose):
 @pytest.mark.parametrize("group,option", ALL_OPTIONS, ids=[f"{g}={o}" for g, o in ALL_OPTIONS])
 def test_every_option_composes_and_validates(hydra_compose, group, option):
     cfg = hydra_compose([f"{group}={option}", *PARTNERS.get((group, option), [])])
-    if group == "model" and option in STREAM_MODELS:  # a valid model, but no config the trainer can run
+    if group == "model" and option in STREAM_MODELS:  # a valid model, which the default algorithm cannot train
         validate(cfg.model)
-        with pytest.raises(ConfigError, match="is a streaming model .*python -m flowgrpo.stream --preset"):
+        with pytest.raises(ConfigError, match="is a streaming model .*algo=stream_grpo.*python -m flowgrpo.stream"):
             validate(cfg)
-    else:
-        validate(cfg)
+        cfg = hydra_compose([f"{group}={option}", *STREAMING])
+    validate(cfg)
     for g, schema in GROUP_SCHEMAS.items():  # every group node is typed by its schema (the algorithm's own)
         expected = algo_schema(cfg.algo.name) if g == "algo" else schema
         assert OmegaConf.get_type(cfg[g]) is expected, g

@@ -249,7 +249,7 @@ def test_stream_keys_belong_to_streaming_models():
 # ------------------------------------------------------------------------------------------- training
 
 
-def test_train_py_refuses_a_streaming_model_before_anything_loads(tmp_path, monkeypatch):
+def test_train_py_refuses_a_streaming_model_with_a_clip_algorithm_before_anything_loads(tmp_path, monkeypatch):
     import flowgrpo.cli
 
     def started(cfg):
@@ -270,11 +270,11 @@ def test_train_py_refuses_a_streaming_model_before_anything_loads(tmp_path, monk
     text = str(info.value)
     assert "model=self_forcing_wan is a streaming model" in text
     assert "python -m flowgrpo.stream --preset self_forcing_wan" in text
-    assert "needs a streaming algorithm, which is not available yet" in text
+    assert "algo=mix_grpo trains a model that denoises whole clips" in text and "algo=stream_grpo" in text
 
     # The same from the whole config and from the model loader, whatever else the config holds.
     cfg = _compose(["model=longlive_wan", "model.stream.checkpoint=a.pt", "model.stream.lora_checkpoint=b.pt"])
     with pytest.raises(ConfigError, match="is a streaming model"):
         validate(cfg)
-    with pytest.raises(ValueError, match=r"streaming model .*python -m flowgrpo\.stream --preset"):
-        build_adapter(cfg.model)
+    with pytest.raises(FileNotFoundError, match="model.stream.checkpoint='a.pt': no such file"):
+        build_adapter(cfg.model)  # a streaming model loads through its own loader

@@ -102,6 +102,11 @@ class RolloutPlan:
         return self.sde_mask.shape[0]
 
     @property
+    def chunked(self) -> bool:
+        """Whether the plan has a chunk axis (a streaming model's blocks)."""
+        return self.sde_mask.ndim == 3
+
+    @property
     def num_chunks(self) -> int:
         """``C``: chunks generated one after the other (1 without a chunk axis)."""
         return self.sde_mask.shape[1] if self.sde_mask.ndim == 3 else 1
@@ -168,6 +173,7 @@ class Batch:
     global_rewards: torch.Tensor | None = None      # [N·G] gathered from every process
     global_advantages: torch.Tensor | None = None   # [N·G]
     nfe: int = 0                                    # sample-steps of velocity evaluations on this process
+    extras: dict[str, Any] = field(default_factory=dict)  # what an algorithm's own rollout recorded for its update
 
 
 class UpdateContext:
@@ -197,6 +203,27 @@ class UpdateContext:
         and a step): the same draws on any number of processes and after a resume."""
         raise NotImplementedError
 
+    # A streaming (stateful, chunk-by-chunk) model also offers these; an algorithm with its own rollout uses them.
+
+    def commit(self, x0: torch.Tensor, cond: Any) -> Any:
+        """Write the finished chunk ``x0`` into the model's state (no grad); the next chunk's conditioning. ``cond``
+        is not changed."""
+        raise NotImplementedError
+
+    def routed(self, route) -> ContextManager[None]:
+        """A context in which a streaming model's blocks attend the cached frames ``route(frame_offset, num_frames,
+        cached_positions)`` picks (one list, or one row per stream) instead of their sink + window."""
+        raise NotImplementedError
+
+    def noise(self, generators: list[torch.Generator]) -> torch.Tensor:
+        """Initial noise in the model's layout, one sample per generator (``[n, C, ...]`` chunked ``[n, K, ...]``)."""
+        raise NotImplementedError
+
+    @property
+    def stream_layout(self) -> dict[str, Any]:
+        """A streaming model's geometry: ``block_frames``, ``sink_frames``, ``window_frames``, ``cache_frames``."""
+        raise NotImplementedError
+
 
 class Algorithm:
     """Base class: ``name`` registers the subclass for :func:`build_algorithm`; ``config_class`` is its schema.
@@ -214,6 +241,8 @@ class Algorithm:
 
     name: ClassVar[str] = ""
     config_class: ClassVar[type] = AlgoConfig
+    #: trains a streaming model (``model.family=causal_wan``): its plans have a chunk axis, one chunk per block
+    streaming: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -230,6 +259,7 @@ class Algorithm:
         noise_level: float = 0.7,
         solver: str = "euler",
         cfg: Any = None,
+        chunks: int = 1,
         **options: Any,
     ) -> None:
         sigmas = torch.as_tensor(base_sigmas, dtype=torch.float32).detach().cpu()
@@ -251,7 +281,11 @@ class Algorithm:
         from ..config import validate
 
         validate(OmegaConf.create({"algo": OmegaConf.structured(cfg)}).algo)  # errors name algo.<key>
+        if chunks < 1 or (chunks > 1 and not self.streaming):
+            raise ValueError(f"{type(self).__name__} generates in one chunk; chunks={chunks} needs a streaming "
+                             "algorithm")
         self.cfg = cfg
+        self.num_chunks = int(chunks)
         self.base_sigmas = sigmas
         self.kernel = kernel
         self.noise_level = float(noise_level)
@@ -264,11 +298,11 @@ class Algorithm:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
-    def from_config(cls, algo_cfg, sampler_cfg, base_sigmas: torch.Tensor) -> "Algorithm":
+    def from_config(cls, algo_cfg, sampler_cfg, base_sigmas: torch.Tensor, chunks: int = 1) -> "Algorithm":
         """Build from the ``algo`` and ``sampler`` nodes (see :func:`build_algorithm`)."""
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls.config_class), algo_cfg))
         return cls(base_sigmas, kernel=sampler_cfg.kernel, noise_level=float(sampler_cfg.noise_level),
-                   solver=sampler_cfg.solver, cfg=cfg)
+                   solver=sampler_cfg.solver, cfg=cfg, chunks=chunks)
 
     @classmethod
     def check_config(cls, algo_cfg, sampler_cfg) -> list[str]:
@@ -291,6 +325,18 @@ class Algorithm:
         """``(K, note)``: steps each sample trains per inner epoch (every plan's ``trained_per_row``), and why, for
         the start-up banner; the trainer accumulates gradients over micro-batches × K."""
         raise NotImplementedError
+
+    def rollout(self, ctx: UpdateContext, batch: Batch) -> Batch | None:
+        """Phase 2 when the algorithm samples in its own way (KVPO's branched streams): fill ``batch`` (``latents``,
+        ``log_probs``, ``chunk_conds``, ``extras``, ``nfe``) through ``ctx`` and return it. ``None`` (the default):
+        the trainer's rollout of ``batch.plan``."""
+        return None
+
+    def local_advantages(self, batch: Batch) -> torch.Tensor | None:
+        """Phase 4 from this process's own whole groups (``batch.rewards`` and ``batch.components``), for an
+        algorithm whose advantages are relative to something inside each group (KVPO: its reference run); ``[n]``.
+        ``None`` (the default): :meth:`advantages` on the rewards gathered from every process."""
+        return None
 
     @contextlib.contextmanager
     def sampling_policy(self, ctx: UpdateContext) -> Iterator[None]:
@@ -363,7 +409,7 @@ class Algorithm:
         return rows, steps
 
 
-def build_algorithm(algo_cfg, sampler_cfg, base_sigmas: torch.Tensor) -> Algorithm:
+def build_algorithm(algo_cfg, sampler_cfg, base_sigmas: torch.Tensor, *, chunks: int = 1) -> Algorithm:
     """The :class:`Algorithm` named by ``algo_cfg.name`` (``flowgrpo.algorithms.ALGORITHMS``).
 
     Args:
@@ -386,4 +432,4 @@ def build_algorithm(algo_cfg, sampler_cfg, base_sigmas: torch.Tensor) -> Algorit
     if sigmas.ndim != 1 or sigmas.shape[0] != sampler_cfg.num_steps + 1:
         raise ValueError(f"base_sigmas has shape {tuple(sigmas.shape)}; sampler.num_steps={sampler_cfg.num_steps} "
                          f"needs [{sampler_cfg.num_steps + 1}] (build it with flowgrpo.build.build_sampler)")
-    return ALGORITHMS[algo_cfg.name].from_config(algo_cfg, sampler_cfg, sigmas)
+    return ALGORITHMS[algo_cfg.name].from_config(algo_cfg, sampler_cfg, sigmas, chunks=chunks)

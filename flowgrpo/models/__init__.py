@@ -9,6 +9,7 @@ from .causal_wan import CacheState, CausalWan
 from .flux import FluxAdapter
 from .load import load_adapter
 from .sd3 import SD3Adapter
+from .stream_adapter import StreamAdapter, StreamCond
 from .stream_load import load_stream_pipeline
 from .stream_pipeline import StreamConfig, StreamingWanPipeline
 from .tiny import build_tiny_pipeline
@@ -22,6 +23,8 @@ __all__ = [
     "FluxAdapter",
     "PromptEmbeds",
     "SD3Adapter",
+    "StreamAdapter",
+    "StreamCond",
     "StreamConfig",
     "StreamingWanPipeline",
     "WanAdapter",

@@ -456,7 +456,8 @@ class CausalWan:
         return torch.arange(frame_offset, frame_offset + frames)
 
     # -- forwards --------------------------------------------------------------------------------------------------
-    def _run(self, call: _Call, x: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    def _run(self, call: _Call, x: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
+             module: torch.nn.Module | None = None) -> torch.Tensor:
         model = self.transformer
         timestep = torch.as_tensor(timestep, device=x.device)
         if timestep.ndim == 0:
@@ -467,20 +468,23 @@ class CausalWan:
             timestep = timestep.repeat_interleave((x.shape[-2] // p_h) * (x.shape[-1] // p_w), dim=1)
         model.rope.call = call
         try:
-            out = model(hidden_states=x.to(model.dtype), timestep=timestep, encoder_hidden_states=text.to(model.dtype),
-                        return_dict=False)[0]
+            forward = model if module is None else module
+            out = forward(hidden_states=x.to(model.dtype), timestep=timestep,
+                          encoder_hidden_states=text.to(model.dtype), return_dict=False)[0]
         finally:
             model.rope.call = None
         return out
 
     def __call__(self, x: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor, *,
-                 frame_offset: int) -> torch.Tensor:
+                 frame_offset: int, module: torch.nn.Module | None = None) -> torch.Tensor:
         """The model output for the block ``x`` ``[B, C, F, h, w]`` at absolute frames ``[frame_offset,
-        frame_offset + F)``, attending to the cache (read only). ``timestep``: ``[B]`` or per frame ``[B, F]``."""
+        frame_offset + F)``, attending to the cache (read only). ``timestep``: ``[B]`` or per frame ``[B, F]``.
+        ``module``: what to call instead of the transformer itself (its DDP wrapper); it must wrap that very module,
+        whose attention processors hold the stream."""
         frames = x.shape[2]
         call = _Call(self._positions(frame_offset, frames), cache=self.cache,
                      select=self._select(frame_offset, frames))
-        return self._run(call, x, timestep, encoder_hidden_states)
+        return self._run(call, x, timestep, encoder_hidden_states, module)
 
     @torch.no_grad()
     def write(self, x0: torch.Tensor, encoder_hidden_states: torch.Tensor, *, frame_offset: int,

@@ -1,0 +1,176 @@
+"""Training a streaming model: the trainer's block-by-block rollout is the streaming pipeline's sampler, its
+re-noise log-probs are rescored exactly under each block's own cache, config pairs streaming models with streaming
+algorithms, and a streaming run resumes exactly. On the embedded streaming model (assets/tiny-causal-wan-shapes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import flowgrpo.config  # noqa: F401  (registers the schemas)
+from flowgrpo.config import ConfigError, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = str(ROOT / "conf")
+ASSET = ROOT / "assets" / "tiny-causal-wan-shapes"
+
+BASE = [
+    "experiment=stream_grpo_shapes", "logger=none",
+    "trainer.iterations=2", "trainer.prompts_per_iteration=2", "trainer.group_size=2",
+    "trainer.train_batch_size=4", "trainer.gradient_accumulation_steps=1", "trainer.lr=1e-2",
+    "trainer.eval_before=false", "trainer.eval_every=0", "trainer.gallery_every=0", "trainer.checkpoint_every=0",
+    "trainer.eval_num_prompts=2", "data.max_prompts=8",
+]
+
+
+def make_cfg(out, *overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("train", overrides=[*BASE, f"trainer.output_dir={out}", *overrides])
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_adapter_rollout_is_the_streaming_pipeline():
+    """``chunked_rollout`` over ``StreamAdapter`` (cps at noise level 1, SDE on every step but the last) samples what
+    ``StreamingWanPipeline`` samples from the same draws, prompt switch included; and every block's kept
+    conditioning holds exactly the frames written before it."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    from flowgrpo.models import StreamAdapter, StreamingWanPipeline
+    from flowgrpo.models.stream_adapter import stream_sde_mask
+    from samplers import chunked_rollout
+
+    pipe = StreamingWanPipeline.from_pretrained(str(ASSET))
+    adapter = StreamAdapter(pipe)
+    c = pipe.config
+    meta = {"num_frames": 13, "segments": [{"start": 0, "prompt": "a red circle moving left"},
+                                           {"start": 5, "prompt": "a blue square moving up"}]}
+    sigmas = adapter.sigmas(c.num_steps)
+    cond = adapter.encode_prompts(["stream"], "", guidance_scale=c.guidance_scale,
+                                  max_sequence_length=c.max_sequence_length, metadata=[meta], num_frames=13)
+    assert cond.segments.tolist() == [[0, 0, 1, 1]]  # latent frames 0-3; the switch at pixel 5 starts block 2
+    noise = adapter.prepare_noise(1, height=64, width=64, num_frames=13, generator=[torch.Generator().manual_seed(3)])
+    gen = torch.Generator().manual_seed(3)
+    shape = tuple(adapter.join_chunks(noise).shape)  # [1, C, 4, h, w]
+    full = randn_tensor(shape, generator=[gen], dtype=torch.float32)
+    assert torch.equal(adapter.join_chunks(noise), full)
+    blocks, steps = 4, c.num_steps
+    block = (1, shape[1], 1, *shape[3:])
+    renoise = torch.stack([torch.stack([torch.randn(block, generator=gen) for _ in range(steps - 1)], 1)
+                           for _ in range(blocks)], 1)
+    with torch.no_grad():
+        traj = chunked_rollout(lambda x, s, k: adapter.velocity(x, s, k, guidance_scale=c.guidance_scale),
+                               adapter.commit, noise, sigmas, stream_sde_mask(steps), cond=cond, kernel="cps",
+                               noise_level=1.0, generator=[torch.Generator().manual_seed(99)])
+    # the pipeline, from the draws the adapter's generator made (its re-noise draws reproduced in order)
+    gen_b = torch.Generator().manual_seed(3)
+    torch.randn(shape, generator=gen_b)
+    with torch.no_grad():
+        traj_b = chunked_rollout(lambda x, s, k: adapter.velocity(x, s, k, guidance_scale=c.guidance_scale),
+                                 adapter.commit, noise, sigmas, stream_sde_mask(steps), cond=cond, kernel="cps",
+                                 noise_level=1.0, generator=[gen_b])
+        out = pipe([m["prompt"] for m in meta["segments"]], switch_frames=[5], num_frames=13, height=64, width=64,
+                   noise=torch.stack(full.split(1, dim=2), 1), renoise=renoise, output_type="latent")
+        late = pipe([m["prompt"] for m in meta["segments"]], switch_frames=[9], num_frames=13, height=64, width=64,
+                    noise=torch.stack(full.split(1, dim=2), 1), renoise=renoise, output_type="latent")
+    # equal up to float rounding (the cps kernel writes the re-noise mean as a·x + b·v), which 40 guided steps
+    # amplify to ~2e-3 here; a switch one block late moves the last blocks by ~1
+    ours = adapter.join_chunks(traj_b.final)
+    assert torch.allclose(ours, out.latents, atol=5e-3, rtol=0)
+    assert torch.allclose(ours[:, :, :2], late.latents[:, :, :2], atol=5e-3, rtol=0)
+    assert (ours[:, :, 2:] - late.latents[:, :, 2:]).abs().max() > 0.1
+    assert not torch.allclose(traj.final, traj_b.final, atol=1e-2)  # other re-noise draws, another stream
+    assert traj_b.nfe == blocks * steps
+    assert [k.cache.positions for k in traj_b.conds] == [[], [0], [0, 1], [0, 1, 2]]
+    assert [k.block for k in traj_b.conds] == [0, 1, 2, 3]
+    assert torch.all(traj_b.log_probs[:, :, -1] == 0) and torch.all(traj_b.log_probs[:, :, :-1] != 0)
+
+
+def test_stream_grpo_rescores_every_trained_transition_exactly(tmp_path):
+    """With unchanged weights the update's log π of every trained re-noise transition, rescored under the cache its
+    block was sampled with, is the rollout's (CFG and KL term included): to float rounding, as a micro-batch's rows
+    are rescored block by block in sub-batches whose size differs from the rollout's (CPU matmuls round by batch
+    size), so the per-element ratio is 1 within 1e-6. After one update the LoRA weights have moved and so have the
+    log-probs."""
+    from flowgrpo.trainer import Trainer
+
+    trainer = Trainer(make_cfg(tmp_path, "algo.kl_beta=0.01"), tmp_path)
+    batch = trainer.rollout(trainer.plan(0), 0)
+    plan = batch.plan
+    assert plan.chunked and plan.num_chunks == 13 and plan.sigmas.shape[0] == 11
+    assert batch.latents.shape[:3] == (4, 13, 11) and len(batch.chunk_conds) == 13
+    flat = plan.train_mask.flatten(1)
+    assert flat.sum(1).tolist() == [11] * 4  # 10 % of 13 × 9 re-noise transitions
+    assert torch.all(batch.log_probs[~plan.sde_mask] == 0)
+    steps = trainer.transitions(batch, 0, 0)
+    rows = torch.arange(4)
+    again = torch.stack([trainer.algorithm.transition_log_prob(trainer.policy, batch, rows, steps[:, j])
+                         for j in range(steps.shape[1])], 1)
+    stored = batch.log_probs.flatten(1).gather(1, steps)
+    numel = batch.latents[0, 0, 0].numel()
+    assert torch.allclose(torch.exp((again - stored) / numel), torch.ones_like(again), rtol=0, atol=1e-6)
+    trainer.score(batch)
+    assert batch.images.shape == (4, 49, 3, 64, 64)
+    before = {n: p.detach().clone() for n, p in trainer.unwrapped.named_parameters() if p.requires_grad}
+    trainer.advantage(batch)
+    scalars = trainer.update(batch, 0)
+    assert trainer.updates == 1 and scalars["train/kl"] >= 0
+    moved = [n for n, p in trainer.unwrapped.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert moved and all("lora" in n for n in moved)
+    after = torch.stack([trainer.algorithm.transition_log_prob(trainer.policy, batch, rows, steps[:, j])
+                         for j in range(steps.shape[1])], 1)
+    assert (after - stored).abs().max() > 1e3 * (again - stored).abs().max()
+
+
+def test_a_streaming_run_resumes_exactly(tmp_path):
+    """Two iterations straight == one, a checkpoint, a resume and one more (LoRA weights and rewards)."""
+    from flowgrpo.trainer import Trainer
+
+    straight = Trainer(make_cfg(tmp_path / "a"), tmp_path / "a")
+    straight.fit()
+    first = Trainer(make_cfg(tmp_path / "b", "trainer.iterations=1", "trainer.checkpoint_every=1"), tmp_path / "b")
+    first.fit()
+    resumed = Trainer(make_cfg(tmp_path / "b", "trainer.resume=auto"), tmp_path / "b")
+    resumed.fit()
+    assert resumed.iteration == 2
+    for (name, p), (_, q) in zip(straight.unwrapped.named_parameters(), resumed.unwrapped.named_parameters()):
+        assert torch.equal(p, q), name
+    assert [h["reward/mean"] for h in straight.history] == [h["reward/mean"] for h in resumed.history]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model=causal_wan_shapes", "algo=grpo"], "is a streaming model"),
+    (["model=sd3_shapes", "algo=stream_grpo"], "algo=stream_grpo trains a streaming model"),
+    (["experiment=stream_grpo_shapes", "sampler.num_steps=4"], r"sampler.num_steps=4: .* model.stream.num_steps=10"),
+    (["experiment=stream_grpo_shapes", "sampler=sde"], "sampler.kernel='flow_grpo'"),
+    (["experiment=stream_grpo_shapes", "sampler.shift=3.0"], "sampler.shift=3.0"),
+])
+def test_streaming_models_train_only_with_streaming_algorithms(overrides, message):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
+
+
+def test_the_streaming_preset_composes_to_the_assets_own_settings():
+    import json
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=stream_grpo_shapes"])
+    validate(cfg)
+    saved = json.loads((ASSET / "stream_config.json").read_text())
+    for key in ("block_frames", "num_steps", "shift", "sink_frames", "window_frames", "cache_frames", "recache"):
+        assert cfg.model.stream[key] == saved[key], key
+    for key in ("guidance_scale", "max_sequence_length", "height", "width"):
+        assert cfg.model[key] == saved[key], key
+    assert cfg.sampler.num_steps == cfg.sampler.eval_num_steps == saved["num_steps"]
+    assert (cfg.sampler.kernel, cfg.sampler.noise_level) == ("cps", 1.0)
