@@ -869,7 +869,8 @@ class Trainer:
                     self.logger.log(scalars, step=self.iteration)
                 if self.gallery is not None and t.gallery_every and self.iteration % t.gallery_every == 0:
                     b = self._last_batch
-                    self._gallery_log(self.iteration, b.prompts, b.images, rewards=b.rewards, components=b.components,
+                    columns = {**b.components, **self.algorithm.gallery_columns(b)}
+                    self._gallery_log(self.iteration, b.prompts, b.images, rewards=b.rewards, components=columns,
                                       advantages=b.advantages, group_size=t.group_size, tag="train")  # all its prompts
                 last = self.iteration == t.iterations
                 if t.eval_every and self.iteration % t.eval_every == 0 and not last:

@@ -338,6 +338,11 @@ class Algorithm:
         ``None`` (the default): :meth:`advantages` on the rewards gathered from every process."""
         return None
 
+    def gallery_columns(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Per-row values the training gallery shows beside the reward components (KVPO: each branch's policy
+        probability and where its routing started); none by default."""
+        return {}
+
     @contextlib.contextmanager
     def sampling_policy(self, ctx: UpdateContext) -> Iterator[None]:
         """Phase 2 runs inside this context: the weights the rollout samples with. The trained weights, unless

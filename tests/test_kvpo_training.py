@@ -1,0 +1,198 @@
+"""KVPO on the embedded streaming model through the trainer: the branched rollout (shared noise, a common prefix,
+routed blocks attending exactly the planned frames), identity routing, the TVE replay, ratio 1 right after a sync,
+reference-relative advantages and the halving protection, and an update that moves only the LoRA weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import flowgrpo.config  # noqa: F401  (registers the schemas)
+from flowgrpo.algorithms.kvpo import RoutingPlan, kvpo_loss, route_fn, unrouted_positions
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+
+BASE = [
+    "experiment=kvpo_shapes", "logger=none",
+    "trainer.iterations=1", "trainer.prompts_per_iteration=2", "trainer.group_size=3",
+    "trainer.train_batch_size=6", "trainer.gradient_accumulation_steps=1", "trainer.lr=1e-2",
+    "trainer.eval_before=false", "trainer.eval_every=0", "trainer.eval_num_prompts=2", "trainer.gallery_every=0",
+    "trainer.checkpoint_every=0", "data.max_prompts=8",
+]
+
+
+def make_trainer(out, *overrides):
+    from flowgrpo.trainer import Trainer
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("train", overrides=[*BASE, f"trainer.output_dir={out}", *overrides])
+    return Trainer(cfg, out)
+
+
+@pytest.fixture(scope="module")
+def rolled(tmp_path_factory):
+    """One trainer and one scored rollout of 2 prompts × (2 branches + the reference run)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    out = tmp_path_factory.mktemp("kvpo")
+    trainer = make_trainer(out)
+    seen = []  # (frame_offset, positions per row) of every routed call, from the model's own route hook
+    wan = trainer.adapter.wan
+    original = wan._select
+
+    def spy(frame_offset, num_frames):
+        chosen = original(frame_offset, num_frames)
+        if wan.route is not None and chosen.ndim == 2:
+            positions = wan.cache.positions
+            seen.append((frame_offset, [[positions[int(i)] for i in row] for row in chosen]))
+        return chosen
+
+    wan._select = spy
+    batch = trainer.rollout(trainer.plan(0), 0)
+    wan._select = original
+    trainer.score(batch)
+    trainer.advantage(batch)
+    yield trainer, batch, seen
+    torch.set_num_threads(before)
+
+
+def test_branches_share_noise_and_prefix_and_attend_exactly_the_planned_frames(rolled):
+    trainer, batch, seen = rolled
+    plans, forks = batch.extras["routing"], batch.extras["fork_block"]
+    assert len(plans) == 2 and batch.latents.shape[:3] == (6, 13, 11) and len(batch.chunk_conds) == 13
+    for p, plan in enumerate(plans):
+        rows = range(3 * p, 3 * p + 3)
+        fork = int(forks[3 * p])
+        assert plan.fork_frame == fork and plan.num_branches == 2
+        for r in rows:  # every row's blocks before the fork are the reference run's, bit for bit
+            assert torch.equal(batch.latents[r, :fork], batch.latents[3 * p + 2, :fork])
+            assert torch.equal(batch.latents[r, :, 0], batch.latents[3 * p + 2, :, 0])  # the same initial noise
+        assert not torch.equal(batch.latents[3 * p, fork:], batch.latents[3 * p + 2, fork:])  # routing changed it
+    # each routed call: the branch rows streaming at that block (groups join at their fork), CFG's two streams per
+    # row, each row on its planned frames during its routed blocks and unrouted elsewhere
+    assert seen
+    fork_of = [int(forks[3 * p]) for p in range(2)]
+    for frame_offset, rows in seen:
+        active = [3 * p + g for f in sorted(set(fork_of)) if f <= frame_offset
+                  for p in range(2) if fork_of[p] == f for g in range(2)]
+        assert len(rows) == 2 * len(active) and rows[:len(active)] == rows[len(active):]
+        for r, positions in zip(active, rows[len(active):]):
+            plan, branch = plans[r // 3], r % 3
+            if plan.is_routed(frame_offset):
+                nearest = list(range(frame_offset - plan.nearest_m, frame_offset))
+                assert sorted(positions) == sorted([0] + plan.positions_per_branch[branch] + nearest)
+            else:
+                assert sorted(positions) == unrouted_positions(frame_offset, 1, list(range(frame_offset)),
+                                                               plan.sink_frames, plan.window_frames)
+    assert {f for f, _ in seen} >= {plan.fork_frame for plan in plans}
+
+
+def test_identity_routing_gives_every_branch_the_reference_run(tmp_path, monkeypatch):
+    """Branches whose planned frames are exactly the unrouted window stream the reference run: bit for bit before
+    the fork (copied), to float rounding after it (another batch: ~1e-3 after several guided blocks), where the
+    drawn routing moves them by far more."""
+    from flowgrpo.algorithms.kvpo import KVPO
+
+    planned = KVPO.routing_plan
+
+    def identity(self, layout, segments, **kw):
+        plan = planned(self, layout, segments, **kw)
+        older = [p for p in unrouted_positions(plan.fork_frame, plan.block_frames, list(range(plan.fork_frame)),
+                                               plan.sink_frames, plan.window_frames) if p >= plan.sink_frames]
+        older = older[: len(older) - plan.nearest_m]
+        return RoutingPlan(plan.fork_frame, plan.blocks, plan.block_frames, plan.sink_frames, plan.window_frames,
+                           plan.nearest_m, [older] * plan.num_branches, plan.pool_start, plan.pool_end)
+
+    # one routed block: the older frames stay fixed over P blocks, so only the first can equal the window
+    overrides = ["trainer.prompts_per_iteration=1", "trainer.train_batch_size=3", "algo.routed_blocks=1"]
+    trainer = make_trainer(tmp_path, *overrides)
+    drawn = trainer.rollout(trainer.plan(0), 0)
+    monkeypatch.setattr(KVPO, "routing_plan", identity)
+    batch = trainer.rollout(trainer.plan(0), 0)
+    fork = int(batch.extras["fork_block"][0])
+    assert torch.equal(batch.latents[:2, :fork], batch.latents[2:, :fork].expand(2, -1, -1, -1, -1, -1, -1))
+    same = (batch.latents[:2] - batch.latents[2:]).abs().max()
+    moved = (drawn.latents[:2, fork:] - drawn.latents[2:, fork:]).abs().max()
+    assert torch.equal(drawn.latents[2], batch.latents[2])  # the reference run does not depend on the plan
+    assert same < 5e-3 and moved > 50 * same, (same, moved)
+
+
+def test_replay_policy_ratio_and_update(rolled):
+    trainer, batch, _ = rolled
+    algo, ctx = trainer.algorithm, trainer.policy
+    ctx.iteration, ctx.epoch = 0, 0
+    branches = torch.tensor([0, 1])
+    # the replay under a branch's own routing reproduces what it recorded; under the unrouted context it does not
+    own = []
+    for b in (0, 1):
+        with ctx.routed(route_fn(batch.extras["routing"][0], b)), torch.no_grad():
+            own.append(algo.replay_scores(ctx, batch, torch.tensor([b]), grad=False))
+    own = torch.cat(own)
+    unrouted = algo.replay_scores(ctx, batch, branches, grad=False)
+    assert own.abs().max() < 1e-9 and bool((unrouted < -1e-6).all()), (own, unrouted)
+    # right after a sync (iteration 0: the old policy is the live one) the ratio is exactly 1
+    old = algo._group_scores(ctx, batch, 0, "old")
+    live = algo.replay_scores(ctx, batch, branches, grad=True)
+    assert torch.equal(old, live.detach())
+    # the loss of the micro-batch is the mean of the groups' KVPO losses; its gradient reaches only LoRA weights
+    loss, info = algo.loss(ctx, batch, torch.arange(6), torch.zeros(6, dtype=torch.long))
+    expected = []
+    for g in range(2):
+        scores = algo.replay_scores(ctx, batch, torch.tensor([3 * g, 3 * g + 1]), grad=False)
+        value, _ = kvpo_loss(scores, scores, algo._group_scores(ctx, batch, g, "init"), batch.advantages[3 * g:3 * g + 2],
+                             kl_coef=algo.cfg.kl_beta,
+                             any_branch_beats_reference=bool(batch.extras["beats_reference"][g]))
+        expected.append(float(value))
+    assert float(loss.detach()) == pytest.approx(sum(expected) / 2, rel=1e-5, abs=1e-7)
+    assert info["ratio_mean"] == 1.0 and info["ratio_min"] == 1.0
+    # the gallery's columns: each branch's π (a distribution over the group's branches), where its routing ran
+    columns = algo.gallery_columns(batch)
+    pi = columns["kvpo/pi"]
+    assert torch.isnan(pi[[2, 5]]).all() and torch.allclose(pi[[0, 3]] + pi[[1, 4]], torch.ones(2))
+    assert columns["kvpo/branch"].tolist() == [0, 1, -1, 0, 1, -1]
+    plan = batch.extras["routing"][0]
+    assert columns["kvpo/routed_from"][0] == 4 * plan.fork_frame - 3 and torch.isnan(columns["kvpo/routed_to"][2])
+    loss.backward()
+    grads = {n: p.grad for n, p in trainer.unwrapped.named_parameters() if p.grad is not None}
+    assert grads and all("lora" in n for n in grads)
+    assert any(float(g.abs().max()) > 0 for g in grads.values()) or all(float(a) == 0 for a in batch.advantages)
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def test_split_groups_give_the_whole_groups_gradient(rolled):
+    """Micro-batches that cut a group in two give, summed, the gradient of the whole group's loss."""
+    trainer, batch, _ = rolled
+    algo, ctx = trainer.algorithm, trainer.policy
+    ctx.iteration, ctx.epoch = 0, 0
+    params = [p for p in trainer.params]
+    whole, _ = algo.loss(ctx, batch, torch.arange(3), torch.zeros(3, dtype=torch.long))
+    g_whole = torch.autograd.grad(whole, params, allow_unused=True)
+    parts = []
+    for rows in (torch.tensor([0]), torch.tensor([1, 2])):
+        part, _ = algo.loss(ctx, batch, rows, torch.zeros(len(rows), dtype=torch.long))
+        # a micro-batch weighs its rows' share of a group: scale back to compare with the whole group's loss
+        parts.append(torch.autograd.grad(part * (len(rows) / 3), params, allow_unused=True))
+    for a, b, c in zip(g_whole, *parts):
+        if a is None:
+            continue
+        total = (b if b is not None else 0) + (c if c is not None else 0)
+        # the same to the float rounding of replays in batches of other sizes
+        assert float((a - total).norm()) <= 1e-3 * float(a.norm()) + 1e-12
+
+
+def test_advantages_are_relative_to_the_reference_run(rolled):
+    trainer, batch, _ = rolled
+    adv = batch.advantages.cpu()
+    assert adv[2] == 0 and adv[5] == 0  # the reference runs are the baseline
+    assert bool((adv.abs() <= trainer.algorithm.cfg.adv_clip).all())
+    # a group where no branch beats the reference on any component is flagged: its loss is halved
+    comps = {k: v.clone() for k, v in batch.components.items()}
+    for v in batch.components.values():
+        v[0:2] = torch.minimum(v[0:2], v[2]) if torch.isfinite(v[0:3]).all() else v[0:2]
+    trainer.algorithm.local_advantages(batch)
+    assert not bool(batch.extras["beats_reference"][0])
+    batch.components.update(comps)
+    trainer.algorithm.local_advantages(batch)
