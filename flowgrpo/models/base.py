@@ -103,7 +103,32 @@ class PromptEmbeds:
         return PromptEmbeds(torch.cat([self.negative_prompt_embeds, self.prompt_embeds], dim=0), pooled)
 
 
-class FlowAdapter:
+class TransformerAccess:
+    """The pipeline's denoiser as an adapter exposes it (``self.pipe``; ``self._transformer``: a wrapper or None)."""
+
+    pipe: DiffusionPipeline
+    _transformer: torch.nn.Module | None = None
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        """The denoiser `velocity` calls. Assign a wrapped module (DDP/FSDP/compiled) to have `velocity` use it;
+        the pipeline keeps the unwrapped one, whose config the adapter reads."""
+        return self.pipe.transformer if self._transformer is None else self._transformer
+
+    @transformer.setter
+    def transformer(self, module: torch.nn.Module | None) -> None:
+        self._transformer = module
+
+    @property
+    def device(self) -> torch.device:
+        return self.pipe.transformer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pipe.transformer.dtype
+
+
+class FlowAdapter(TransformerAccess):
     r"""
     Base class of the model adapters: a diffusers pipeline seen as a velocity field plus encoder and decoder.
 
@@ -155,24 +180,6 @@ class FlowAdapter:
         return cls(pipe)
 
     # ------------------------------------------------------------------ properties
-    @property
-    def transformer(self) -> torch.nn.Module:
-        """The denoiser `velocity` calls. Assign a wrapped module (DDP/FSDP/compiled) to have `velocity` use it;
-        the pipeline keeps the unwrapped one, whose config the adapter reads."""
-        return self.pipe.transformer if self._transformer is None else self._transformer
-
-    @transformer.setter
-    def transformer(self, module: torch.nn.Module | None) -> None:
-        self._transformer = module
-
-    @property
-    def device(self) -> torch.device:
-        return self.pipe.transformer.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.pipe.transformer.dtype
-
     @property
     def num_train_timesteps(self) -> int:
         return self.pipe.scheduler.config.num_train_timesteps

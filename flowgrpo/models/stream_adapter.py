@@ -31,6 +31,7 @@ import torch
 
 from samplers import chunked_rollout, stream_sigmas
 
+from .base import TransformerAccess
 from .causal_wan import CacheState
 from .stream_pipeline import StreamingWanPipeline
 
@@ -135,7 +136,7 @@ def stream_sde_mask(num_steps: int) -> torch.Tensor:
     return mask
 
 
-class StreamAdapter:
+class StreamAdapter(TransformerAccess):
     r"""
     The trainer's view of a :class:`~flowgrpo.models.StreamingWanPipeline` (see the module docstring).
 
@@ -158,23 +159,6 @@ class StreamAdapter:
         self.config = stream.config
         self.frames = stream.adapter  # the Wan adapter: text encoding, latent layout, decoding
         self._transformer = None
-
-    # ------------------------------------------------------------------ properties
-    @property
-    def transformer(self) -> torch.nn.Module:
-        return self.pipe.transformer if self._transformer is None else self._transformer
-
-    @transformer.setter
-    def transformer(self, module: torch.nn.Module | None) -> None:
-        self._transformer = module
-
-    @property
-    def device(self) -> torch.device:
-        return self.pipe.transformer.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.pipe.transformer.dtype
 
     def __repr__(self) -> str:
         c = self.config
