@@ -10,7 +10,7 @@ import torch
 from flowgrpo.algorithms import ALGORITHMS
 from flowgrpo.algorithms.kvpo import (RoutingPlan, batched_route_fn, branch_log_policy, fuse_advantages, kvpo_loss,
                                       plan_routing, reference_relative_advantage, reference_relative_advantages,
-                                      route_fn, tve_scores, unrouted_positions)
+                                      route_fn, stacked_route_fn, tve_scores, unrouted_positions)
 from flowgrpo.models import CausalWan
 from flowgrpo.models.causal_wan import stream_mask
 from samplers import stream_noise, stream_rollout, stream_sigmas
@@ -35,8 +35,25 @@ def _bound(pool, n, g):
 # ------------------------------------------------------------------------------------------------- the plan
 
 
-def test_module_registers_no_algorithm():
-    assert "kvpo" not in ALGORITHMS and not any(cls.__module__.endswith(".kvpo") for cls in ALGORITHMS.values())
+def test_the_module_registers_kvpo_as_a_streaming_algorithm():
+    assert ALGORITHMS["kvpo"].streaming and ALGORITHMS["kvpo"].__module__.endswith(".kvpo")
+
+
+def test_a_stacked_route_gives_each_row_its_own_plans_frames():
+    """Rows of two prompts with different forks: unrouted while no row is routed; then each row its branch's
+    planned frames (or the unrouted window), one row per stream."""
+    a = plan_routing(24, 1, 1, 6, num_branches=2, routed_blocks=2, nearest_m=1, seed=0, prompt_index=0)
+    b = plan_routing(24, 1, 1, 6, num_branches=2, routed_blocks=2, nearest_m=1, seed=0, prompt_index=5)
+    route = stacked_route_fn([a, a, b], [0, 1, 1])
+    before = min(a.fork_frame, b.fork_frame) - 1
+    cached = list(range(24))
+    assert route(before, 1, cached[:before]) == unrouted_positions(before, 1, cached[:before], 1, 6)
+    for f in sorted({a.fork_frame, b.fork_frame}):
+        rows = route(f, 1, cached[:f]).tolist()
+        assert rows[0] == a.context(0, f, 1, cached[:f]) and rows[1] == a.context(1, f, 1, cached[:f])
+        assert rows[2] == b.context(1, f, 1, cached[:f])
+    with pytest.raises(ValueError, match="one plan per row"):
+        stacked_route_fn([a], [0, 1])
 
 
 def test_plan_is_deterministic_per_seed_and_varies_across_iterations_and_prompts():
