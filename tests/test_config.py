@@ -47,6 +47,7 @@ NEEDS_WEIGHTS = {"pickscore", "hpsv21", "aesthetic", "clipscore", "imagereward",
 PARTNERS: dict[tuple[str, str], list[str]] = {
     ("sampler", "stream"): ["model=causal_wan_shapes", "algo=stream_grpo"],
     ("algo", "stream_grpo"): ["model=causal_wan_shapes"],
+    ("algo", "kvpo"): ["model=causal_wan_shapes"],
 }
 # Keys left for the user to fill (``???``) by design.
 EXPECTED_MISSING = {
