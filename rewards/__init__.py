@@ -19,3 +19,6 @@ __all__ = [
 from .streams import LongVideoReward  # registers "long_video": streams with prompt switches
 
 __all__ += ["LongVideoReward"]
+from .segments import SegmentReward  # registers "segments": any clip reward per segment of a stream
+
+__all__ += ["SegmentReward"]
