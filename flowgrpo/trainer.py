@@ -130,7 +130,7 @@ class TrainerContext(UpdateContext):
     def stream_layout(self):
         c = self._stream().config
         return {"block_frames": c.block_frames, "sink_frames": c.sink_frames, "window_frames": c.window_frames,
-                "cache_frames": c.cache_frames}
+                "cache_frames": c.cache_frames, "recache": c.recache}
 
 
 def degenerate_flags(samples: torch.Tensor, max_side: int = 128) -> torch.Tensor:

@@ -39,6 +39,23 @@ def test_the_module_registers_kvpo_as_a_streaming_algorithm():
     assert ALGORITHMS["kvpo"].streaming and ALGORITHMS["kvpo"].__module__.endswith(".kvpo")
 
 
+def test_a_re_caching_model_routes_only_to_frames_it_still_caches():
+    """After a switch at s a re-caching model keeps the sink and [s + b - w, s): the pool starts there."""
+    kwargs = dict(num_branches=2, routed_blocks=1, nearest_m=1, seed=0, segment_starts=[12])
+    after = 0
+    for prompt in range(20):
+        plain = plan_routing(30, 1, 1, 4, prompt_index=prompt, **kwargs)
+        recached = plan_routing(30, 1, 1, 4, prompt_index=prompt, recache=True, **kwargs)
+        if recached.fork_frame >= 12:
+            after += 1
+            assert recached.pool_start == 12 + 1 - 4
+            assert all(p >= 9 for branch in recached.positions_per_branch for p in branch)
+        if plain.fork_frame >= 12:
+            assert plain.pool_start == 1
+    assert after >= 5
+    assert 12 not in plan_routing(30, 1, 1, 4, prompt_index=0, recache=True, **kwargs).eligible_forks  # pool empty
+
+
 def test_a_stacked_route_gives_each_row_its_own_plans_frames():
     """Rows of two prompts with different forks: unrouted while no row is routed; then each row its branch's
     planned frames (or the unrouted window), one row per stream."""

@@ -62,7 +62,11 @@ def rolled(tmp_path_factory):
 def test_branches_share_noise_and_prefix_and_attend_exactly_the_planned_frames(rolled):
     trainer, batch, seen = rolled
     plans, forks = batch.extras["routing"], batch.extras["fork_block"]
-    assert len(plans) == 2 and batch.latents.shape[:3] == (6, 13, 11) and len(batch.chunk_conds) == 13
+    assert len(plans) == 2 and batch.latents.shape[:3] == (6, 13, 11)
+    # only each group's pre-fork state is kept: the cache its reference run wrote before the fork
+    assert [c.block for c in batch.extras["fork_cond"]] == [int(forks[0]), int(forks[3])]
+    assert [c.cache.positions for c in batch.extras["fork_cond"]] == [list(range(int(forks[0]))),
+                                                                       list(range(int(forks[3])))]
     for p, plan in enumerate(plans):
         rows = range(3 * p, 3 * p + 3)
         fork = int(forks[3 * p])
@@ -88,6 +92,23 @@ def test_branches_share_noise_and_prefix_and_attend_exactly_the_planned_frames(r
                 assert sorted(positions) == unrouted_positions(frame_offset, 1, list(range(frame_offset)),
                                                                plan.sink_frames, plan.window_frames)
     assert {f for f, _ in seen} >= {plan.fork_frame for plan in plans}
+
+
+def test_streaming_branches_a_few_at_a_time_streams_the_same_branches(rolled):
+    """``algo.branch_batch=1`` (one KV cache at a time) makes the same streams: the reference runs and every block
+    before a fork bit for bit, the rest to the float rounding of other batch sizes."""
+    trainer, batch, _ = rolled
+    algo = trainer.algorithm
+    algo.cfg.branch_batch = 1
+    try:
+        again = trainer.rollout(trainer.plan(0), 0)
+    finally:
+        algo.cfg.branch_batch = 0
+    assert torch.equal(again.latents[[2, 5]], batch.latents[[2, 5]])
+    for r in (0, 1, 3, 4):
+        fork = int(batch.extras["fork_block"][r])
+        assert torch.equal(again.latents[r, :fork], batch.latents[r, :fork])
+    assert (again.latents - batch.latents).abs().max() < 5e-3
 
 
 def test_identity_routing_gives_every_branch_the_reference_run(tmp_path, monkeypatch):

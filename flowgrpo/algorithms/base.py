@@ -221,7 +221,8 @@ class UpdateContext:
 
     @property
     def stream_layout(self) -> dict[str, Any]:
-        """A streaming model's geometry: ``block_frames``, ``sink_frames``, ``window_frames``, ``cache_frames``."""
+        """A streaming model's geometry: ``block_frames``, ``sink_frames``, ``window_frames``, ``cache_frames``,
+        ``recache``."""
         raise NotImplementedError
 
 

@@ -205,6 +205,7 @@ def plan_routing(
     iteration: int = 0,
     prompt_index: int = 0,
     cache_frames: int | None = None,
+    recache: bool = False,
     outside_window: bool = True,
     min_fork_frame: int | None = None,
     max_fork_frame: int | None = None,
@@ -222,6 +223,9 @@ def plan_routing(
             ``block_frames``: 1 for its 4 with blocks of 3). ``n = window_frames − block_frames − nearest_m``
             older frames per branch; it must be >= 1.
         seed, iteration, prompt_index: the draw is a function of these alone (``numpy.random.SeedSequence``).
+        recache: the model re-caches at prompt switches (``CausalWan.recache``): past the latest switch ``s``
+            before the fork only the sink and ``[s + block_frames − window_frames, s)`` stay cached from before it,
+            so the pool starts there.
         cache_frames: ``CausalWan``'s bound on cached frames (``None``: every frame stays cached); the pool keeps
             only frames still cached at the last routed block.
         outside_window: the pool ends where the fork block's unrouted window starts (default) or just before
@@ -265,6 +269,10 @@ def plan_routing(
         lo = sink_frames
         if cache_frames is not None:
             lo = max(lo, fork + span - block_frames - (cache_frames - sink_frames))
+        if recache:
+            switched = [s for s in starts if s <= fork]
+            if switched:  # CausalWan.recache_start of the latest switch: earlier non-sink frames were dropped
+                lo = max(lo, min(sink_frames, switched[-1]), switched[-1] + block_frames - window_frames)
         hi = fork + block_frames - window_frames if outside_window else fork - nearest_m
         if hi - lo >= n:
             eligible.append((fork, lo, hi))
@@ -580,6 +588,7 @@ class KVPOConfig(AlgoConfig):
     global_components: List[str] = field(default_factory=lambda: [
         "adherence", "direction", "speed", "identity", "teleport", "smoothness", "recovery", "anti_freeze"])  # the whole stream's reward components
     old_sync_every: int = _knob(2, ge=1)  # the rollout (old) policy takes the trained weights every n iterations
+    branch_batch: int = _knob(0, ge=0)  # branches streamed / replayed together (each holds a KV cache); 0 = all
 
 
 class KVPO(Algorithm):
@@ -642,7 +651,8 @@ class KVPO(Algorithm):
                 return plan_routing(len(segments) * bf, bf, layout["sink_frames"], layout["window_frames"],
                                     num_branches=self.branches, routed_blocks=blocks, nearest_m=self.cfg.nearest_m,
                                     seed=seed, iteration=iteration, prompt_index=prompt_index,
-                                    cache_frames=layout["cache_frames"], outside_window=self.cfg.outside_window,
+                                    cache_frames=layout["cache_frames"], recache=layout.get("recache", False),
+                                    outside_window=self.cfg.outside_window,
                                     segment_starts=starts)
             except ValueError:
                 if blocks == 1:
@@ -660,7 +670,8 @@ class KVPO(Algorithm):
         blocks. So every branch's blocks before the fork are the reference run's (copied, computed once) and a
         branch differs from it only by what its routed blocks attended (and, after the fork, by the float rounding
         of another batch). Records every block's step inputs (``latents``) and clean predictions (``extras["x0"]``),
-        and the reference run's state before each block (``chunk_conds``: every row's pre-fork state)."""
+        and each group's state before its fork (``extras["fork_cond"]``: the replay starts there). Only those
+        states are kept, not one per block: at Wan2.1-1.3B size a block's KV cache is gigabytes."""
         plan = batch.plan
         G1 = plan.group_size
         G = G1 - 1
@@ -690,54 +701,61 @@ class KVPO(Algorithm):
 
         # the reference runs, one per group, unrouted from the first block to the last
         ref_rows = torch.arange(groups) * G1 + G
-        ref_conds = [batch.cond[ref_rows]]
+        current = [batch.cond[ref_rows]]  # the reference runs' state before the block being made
+        at_fork = {0: current[0]} if 0 in forks else {}  # ... kept at the blocks where some group forks
 
         def ref_velocity(x, sigma, k):
-            return ctx.velocity(x, sigma, ref_conds[k])
+            return ctx.velocity(x, sigma, current[0])
 
         def ref_commit(x0, k):
             if k + 1 < K:
-                ref_conds.append(ctx.commit(x0, ref_conds[k]))
+                current[0] = ctx.commit(x0, current[0])
+                if k + 1 in forks:
+                    at_fork[k + 1] = current[0]
 
         ref = stream_rollout(ref_velocity, ref_commit, noise, renoise, sigmas)
         inputs = ref.inputs.repeat_interleave(G1, 0)  # every row starts as its reference run ...
         x0 = ref.x0.repeat_interleave(G1, 0)
         log_probs = ref.log_probs.repeat_interleave(G1, 0)
-        # ... and the branches take over from their fork, block by block (groups join at their own fork)
-        active: list[int] = []  # branch rows being streamed, in the order of `cond`
-        cond = None
-        for k in range(min(forks), K):
-            joining = [p for p in range(groups) if forks[p] == k]
-            if joining:
-                rows = [p * G1 + g for p in joining for g in range(G)]
-                start = ref_conds[k][torch.tensor(joining)].repeat_interleave(G)
-                cond = start if cond is None else type(start).cat([cond, start])
-                active += rows
-            idx = torch.tensor(active)
-            route = stacked_route_fn([plans[r // G1] for r in active], [r % G1 for r in active])
-            state = [cond]
+        # ... and the branches take over from their fork, block by block, at most algo.branch_batch rows at a time
+        # (each holds a KV cache); within a chunk, rows join at their own group's fork
+        order = sorted((p * G1 + g for p in range(groups) for g in range(G)), key=lambda r: (forks[r // G1], r))
+        size = self.cfg.branch_batch or len(order)
+        for chunk in (order[i:i + size] for i in range(0, len(order), size)):
+            active: list[int] = []  # branch rows being streamed, in the order of `cond`
+            cond = None
+            for k in range(forks[chunk[0] // G1], K):
+                joining = [r for r in chunk if forks[r // G1] == k]
+                if joining:
+                    start = at_fork[k][torch.tensor([r // G1 for r in joining])]
+                    cond = start if cond is None else type(start).cat([cond, start])
+                    active += joining
+                idx = torch.tensor(active)
+                route = stacked_route_fn([plans[r // G1] for r in active], [r % G1 for r in active])
+                state = [cond]
 
-            def velocity(x, sigma, _k):
-                with ctx.routed(route):
-                    return ctx.velocity(x, sigma, state[0])
-
-            def commit(x0_k, _k):
-                if _k + 1 < K:
+                def velocity(x, sigma, _k):
                     with ctx.routed(route):
-                        state.append(ctx.commit(x0_k, state[0]))
+                        return ctx.velocity(x, sigma, state[0])
 
-            groups_of = idx // G1
-            part = stream_rollout(velocity, commit, noise[groups_of, k:k + 1], renoise[groups_of, k:k + 1], sigmas,
-                                  start_block=k)
-            inputs[idx, k], x0[idx, k], log_probs[idx, k] = part.inputs[:, 0], part.x0[:, 0], part.log_probs[:, 0]
-            cond = state[-1]
+                def commit(x0_k, _k):
+                    if _k + 1 < K:
+                        with ctx.routed(route):
+                            state.append(ctx.commit(x0_k, state[0]))
+
+                groups_of = idx // G1
+                part = stream_rollout(velocity, commit, noise[groups_of, k:k + 1], renoise[groups_of, k:k + 1],
+                                      sigmas, start_block=k)
+                inputs[idx, k], x0[idx, k], log_probs[idx, k] = part.inputs[:, 0], part.x0[:, 0], part.log_probs[:, 0]
+                cond = state[-1]
         batch.latents = torch.cat([inputs, x0[:, :, -1:]], dim=2)
         batch.log_probs = torch.cat([log_probs, torch.zeros_like(log_probs[:, :, :1])], dim=2)
-        batch.chunk_conds = [c.repeat_interleave(G1) for c in ref_conds]
+        batch.chunk_conds = None
         batch.nfe = (groups * K + G * sum(K - f for f in forks)) * S
         fork_rows = torch.tensor([forks[r // G1] for r in range(n)], dtype=torch.long)
         batch.extras = {"x0": x0, "routing": plans, "fork_block": fork_rows,
-                        "fork_segment": segments[torch.arange(n), fork_rows]}
+                        "fork_segment": segments[torch.arange(n), fork_rows],
+                        "fork_cond": [at_fork[f][p] for p, f in enumerate(forks)]}
         return batch
 
     # ------------------------------------------------------------------------------------------ phase 4
@@ -781,6 +799,10 @@ class KVPO(Algorithm):
         state with the current ``ctx`` weights: the gradient flows through the first ``algo.grad_steps`` steps of
         each replayed block (with ``grad``); between blocks the replay writes its own last prediction."""
         rows = torch.as_tensor(rows, dtype=torch.long)
+        size = self.cfg.branch_batch
+        if size and len(rows) > size:  # at most algo.branch_batch replays (and their KV caches) at a time
+            return torch.cat([self.replay_scores(ctx, batch, rows[i:i + size], grad=grad)
+                              for i in range(0, len(rows), size)])
         sigmas = batch.plan.sigmas[:-1]
         S = sigmas.shape[0]
         forks = batch.extras["fork_block"][rows]
@@ -791,7 +813,8 @@ class KVPO(Algorithm):
             plan = batch.extras["routing"][int(r[0]) // batch.plan.group_size]
             count = self.cfg.replay_blocks or plan.blocks
             blocks = list(range(f, min(f + count, self.num_chunks)))
-            cond = batch.chunk_conds[f][r]
+            G1 = batch.plan.group_size
+            cond = type(batch.extras["fork_cond"][0]).cat([batch.extras["fork_cond"][int(i) // G1] for i in r])
             preds = []
             for k in blocks:
                 steps = []
