@@ -58,6 +58,7 @@ EXPECTED_MISSING = {
     ("experiment", "flow_grpo_wan22_5b"): {"data.train_file"},
     ("model", "self_forcing_wan"): {"model.stream.checkpoint"},  # the user's checkpoint files
     ("model", "longlive_wan"): {"model.stream.checkpoint", "model.stream.lora_checkpoint"},
+    ("experiment", "kvpo_longlive"): {"model.stream.checkpoint", "model.stream.lora_checkpoint", "data.train_file"},
 }
 
 ALL_OPTIONS = [(g, o) for g in GROUPS + PRESETS for o in options(g)]
