@@ -171,7 +171,7 @@ class RemoteReward:
                 wait = min(max(wait, retry_after), self.max_backoff)
             if attempt > self.retries:
                 wait = min(wait, max(left, 0.0))  # the last retry lands at the end of the window, not after it
-            budget = (f"{left:.0f}s of the {self.retry_window:g}s retry window left" if left > 0 else
+            budget = (f"{left:.{0 if left >= 10 else 1}f}s of the {self.retry_window:g}s retry window left" if left > 0 else
                       f"retry {attempt} of {self.retries}")
             log.warning("remote reward %s: attempt %d failed (%s); retrying in %.1fs (%s)",
                         self.url, attempt, str(last).split(": ", 1)[-1], wait, budget)

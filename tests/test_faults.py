@@ -477,3 +477,95 @@ def test_the_fraction_of_degenerate_samples_is_logged_every_iteration(tmp_path):
     clips = torch.ones(2, 5, 3, 64, 64)
     clips[1, :, :, 10:20, 10:20] = 0.0
     assert degenerate_flags(clips).tolist() == [1.0, 0.0]
+
+
+class _KillableServer:
+    """A reward server on a fixed loopback port that scores each PNG by its mean brightness; ``kill()`` closes the
+    port (connections are refused, as when the process dies), ``start()`` serves again on the same port."""
+
+    def __init__(self):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/score"
+        self.requests, self.httpd = 0, None
+        self.start()
+
+    def start(self):
+        import base64
+        import io
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        import numpy as np
+        from PIL import Image
+
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                pixels = [np.asarray(Image.open(io.BytesIO(base64.b64decode(png)))) for png in request["media"]["data"]]
+                body = json.dumps({"scores": [float(p.mean()) / 255.0 for p in pixels]}).encode()
+                server.requests += 1
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def kill(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_reward_server_killed_mid_run_checkpoints_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    """reward=remote against a real HTTP server that dies after scoring iteration 1: the run retries for its window,
+    stops with RemoteRewardError naming the URL, keeps iteration 1's checkpoint and a summary.json with the error;
+    with the server back, trainer.resume=auto finishes the run with the weights and metrics of one that never failed."""
+    from rewards.remote import RemoteRewardError
+
+    server = _KillableServer()
+    remote = ["reward=remote", f"reward.kwargs.url={server.url}", "reward.kwargs.retries=1", "reward.kwargs.backoff=0.05",
+              "reward.kwargs.retry_window=0.5", "trainer.iterations=3", "trainer.checkpoint_every=0"]
+    try:
+        straight = make(tmp_path / "straight", *remote)
+        straight.fit()
+        expected = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+
+        out = tmp_path / "killed"
+        trainer = make(out, *remote)
+        real = trainer.reward
+
+        def reward(*args, **kwargs):  # the server process dies once iteration 1 has been scored
+            if trainer.iteration == 1 and server.httpd is not None:
+                server.kill()
+                server.httpd = None
+            return real(*args, **kwargs)
+
+        trainer.reward = reward
+        with pytest.raises(RemoteRewardError, match=rf"127\.0\.0\.1:{server.port}/score: no answer.*gave up after"):
+            trainer.fit()
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["error"]["type"] == "RemoteRewardError" and summary["error"]["iteration"] == 1
+        assert summary["checkpoint"].endswith("checkpoint-000001")
+        assert [s for s, _ in CheckpointManager(out / "checkpoints").checkpoints()] == [1]
+
+        server.start()
+        resumed = make(out, *remote, "trainer.resume=auto")
+        assert resumed.fit()["iterations"] == 3
+        assert all(torch.equal(a, b) for a, b in zip(weights(resumed), weights(straight)))
+        got = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert _rows(got) == _rows(expected) and any("reward/mean" in row for row in got)
+    finally:
+        if server.httpd is not None:
+            server.kill()
