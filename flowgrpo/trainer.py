@@ -1009,8 +1009,9 @@ class Trainer:
         if self.acc.is_main_process:
             lines = [f"done: {self.iteration} iterations, {self.updates} optimizer updates" + (f" ({stopped})" if stopped else "")]
             for key in sorted(k for k in last if k.startswith("eval/") and k.count("/") == 1):
-                if key in first:
-                    lines.append(f"  {key}: {first[key]:.3f} → {last[key]:.3f} ({last[key] - first[key]:+.3f})")
+                if key in first:  # a component undefined on every sample (NaN) has no change to report
+                    change = last[key] - first[key]
+                    lines.append(f"  {key}: {first[key]:.3f} → {last[key]:.3f}" + (f" ({change:+.3f})" if math.isfinite(change) else ""))
             if checkpoint:
                 lines.append(f"  checkpoint: {checkpoint}")
             log.info("\n".join(lines))

@@ -119,3 +119,24 @@ def test_two_processes_share_one_run_dir_and_one_train_log(tmp_path):
     rows = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
     # as one process writes them: the evaluations before and after (debug=default) and one row per iteration, once
     assert [(r["iteration"], "eval/reward" in r) for r in rows] == [(0, True), (1, False), (2, False), (2, True)]
+
+
+def test_the_final_summary_reports_a_change_only_where_both_ends_are_defined(monkeypatch):
+    """An evaluation component undefined on every sample (NaN, e.g. the long-video reward's largest jump when nothing
+    moved) is shown as it is, without a made-up '+nan' change; defined ones get their signed change."""
+    from types import SimpleNamespace
+
+    import flowgrpo.trainer as trainer_module
+    from flowgrpo.trainer import Trainer
+
+    said = []
+    monkeypatch.setattr(trainer_module.log, "info", lambda message, *args: said.append(message % args if args else message))
+
+    run = SimpleNamespace(iteration=4, updates=4, skipped_updates=0, acc=SimpleNamespace(is_main_process=True),
+                          evals=[{"eval/reward": 0.25, "eval/max_jump_px": float("nan")},
+                                 {"eval/reward": 0.5, "eval/max_jump_px": 3.0}])
+    summary = Trainer.summary(run, None, None)
+    text = "\n".join(said)
+    assert "eval/reward: 0.250 → 0.500 (+0.250)" in text
+    assert "eval/max_jump_px: nan → 3.000\n" in text + "\n" and "+nan" not in text
+    assert summary["eval_last"]["eval/max_jump_px"] == 3.0
