@@ -27,7 +27,10 @@ Each call writes, always (so a run with ``logger=none`` can still be looked at):
   grey pixels between frames, its label above the strip. The label band is ``6 + 13 · L`` pixels high, ``L``
   being the most lines any label of the grid needs, so cells line up. Cells are separated and framed by 2 grey
   (128, 128, 128) pixels, so white backgrounds do not run into each other. :func:`labelled_grid` draws the same
-  grid for any samples, frame count, upscaling and label notes (held-out sample sheets).
+  grid for any samples, frame count, upscaling and label notes (held-out sample sheets). ``log(notes=...)`` adds
+  pieces to a label (KVPO: the branch and its policy probability); ``log(marks=...)`` points out a window of a
+  video's frames (KVPO: the routed ones) with an orange bar under every shown frame inside it, the window's first,
+  middle and last frame always among those shown.
 
 and, with a W&B run, a ``wandb.Table(step, prompt, image|video, *components, reward, advantage)`` under
 ``{tag}/gallery`` at ``step`` (log it no later than the scalars of that step: W&B drops steps that go back).
@@ -65,6 +68,8 @@ _PROMPT_LINES = 4  # at most this many lines of prompt per label
 _LINE_H = 13  # pixels per label line
 _MARGIN = 3  # white pixels around a label's text
 _FRAME_RGB = (128, 128, 128)  # gaps, frames and separators
+_MARK_RGB = (230, 110, 0)  # the bar under marked frames (a window of the clip the label explains)
+_MARK_H = 4  # its height in pixels
 _FIXED = ("step", "prompt", "image_png", "num_frames", "reward", "advantage", "image", "video", "pil")
 _FONT = None
 
@@ -182,6 +187,25 @@ def _frames_strip(frames: list[np.ndarray]) -> np.ndarray:
     return out
 
 
+def _pick_frames(frames: int, max_frames: int, mark: tuple[int, int] | None) -> np.ndarray:
+    """Evenly spaced frame indices (first and last included), plus the first, middle and last frame of ``mark``."""
+    pick = np.linspace(0, frames - 1, max(1, min(frames, max_frames))).round().astype(int)
+    if mark is not None:
+        a, b = mark
+        pick = np.concatenate([pick, [a, (a + b) // 2, b]])
+    return np.unique(pick)
+
+
+def _mark(value) -> tuple[int, int] | None:
+    """A ``(first, last)`` frame range from a pair of numbers; None for a missing or NaN pair."""
+    if value is None:
+        return None
+    a, b = (float(v) for v in value)
+    if math.isnan(a) or math.isnan(b):
+        return None
+    return int(a), int(b)
+
+
 def labelled_grid(
     media: torch.Tensor,
     prompts: list[str],
@@ -190,6 +214,7 @@ def labelled_grid(
     columns: int | None = None,
     max_frames: int = _GRID_FRAMES,
     min_side: int = _MIN_SIDE,
+    marks=None,
 ) -> Image.Image:
     """The labelled grid of :meth:`Gallery.log` (its ``.png``) for any samples and label notes.
 
@@ -201,6 +226,10 @@ def labelled_grid(
         columns: cells per row (default: 8 images, or one video per row).
         max_frames: a video shows this many evenly spaced frames (first and last included), or all it has.
         min_side: media are upscaled by nearest neighbour by the integer factor ``ceil(min_side / min(H, W))``.
+        marks: videos only: per sample ``(first, last)`` frame indices of a window to point out (NaN or None: no
+            window), e.g. the frames a KVPO branch generated with a routed context. The window's first, middle and
+            last frame are shown besides the evenly spaced ones, and every shown frame inside it has an orange bar
+            under it (each strip gets a 4-pixel row for these bars when any sample has a window).
 
     Returns:
         The RGB grid: label bands, media, 2-pixel grey frames, as the module doc describes.
@@ -214,8 +243,28 @@ def labelled_grid(
     s = max(1, math.ceil(min_side / min(h, w)))
     if pixels.ndim == 5:
         frames = pixels.shape[1]
-        pick = np.unique(np.linspace(0, frames - 1, max(1, min(frames, max_frames))).round().astype(int))
-        cells = [_frames_strip([_upscale(p[t].permute(1, 2, 0).numpy(), s) for t in pick]) for p in pixels]
+        windows = [None] * len(pixels) if marks is None else [_mark(m) for m in marks]
+        if len(windows) != len(pixels):
+            raise ValueError(f"labelled_grid: {len(pixels)} samples, {len(windows)} marks")
+        for i, w in enumerate(windows):
+            if w is not None and not 0 <= w[0] <= w[1] < frames:
+                raise ValueError(f"labelled_grid: mark {w} of sample {i} is not a frame range within [0, {frames})")
+        picks = [_pick_frames(frames, max_frames, w) for w in windows]
+        width = max(len(p) for p in picks)
+        cells = []
+        for p, pick, w in zip(pixels, picks, windows):
+            shown = [_upscale(p[t].permute(1, 2, 0).numpy(), s) for t in pick]
+            shown += [np.full_like(shown[0], 255)] * (width - len(shown))  # strips of one width: white filler
+            strip = _frames_strip(shown)
+            if any(x is not None for x in windows):
+                bar = np.empty((_MARK_H, strip.shape[1], 3), dtype=np.uint8)
+                bar[:] = _FRAME_RGB
+                fw = shown[0].shape[1] + _PAD
+                for k, t in enumerate(pick):
+                    if w is not None and w[0] <= t <= w[1]:
+                        bar[:, k * fw:k * fw + fw - _PAD] = _MARK_RGB
+                strip = np.concatenate([strip, bar])
+            cells.append(strip)
         ncols = columns or 1
     else:
         cells = [_upscale(p.permute(1, 2, 0).numpy(), s) for p in pixels]
@@ -273,6 +322,8 @@ class Gallery:
         group_size: int | None = None,
         tag: str = "train",
         fps: int = 8,
+        notes: list[list[str]] | None = None,
+        marks: torch.Tensor | None = None,
     ) -> dict[str, Path]:
         """Log some samples of a batch: the first ``max_rows``, or with ``group_size`` some of every group.
 
@@ -286,6 +337,9 @@ class Gallery:
                 gallery then shows the first ``k = min(G, max(1, max_rows // (B / G)))`` samples of every group.
             tag: ``"train"``, ``"eval"``, ...: the sub-directory and the W&B key prefix.
             fps: frame rate of the W&B videos.
+            notes: per sample (``B`` lists) more pieces for the grid's label, after the reward and advantage.
+            marks: videos: ``[B, 2]`` first and last frame of a window the grid points out (NaN: none), as
+                :func:`labelled_grid`'s ``marks``.
 
         Returns:
             ``{"parquet": path, "grid": path}``, plus ``"mp4": dir`` when videos were encoded for W&B.
@@ -337,10 +391,15 @@ class Gallery:
             tmp.unlink(missing_ok=True)  # a failed write (disk full) leaves no hidden partial file behind
             raise
 
-        notes = [[f"reward {float(rewards_t[i]):.3f}"] + ([] if adv_t is None else [f"adv {float(adv_t[i]):+.3f}"])
-                 for i in range(n)]
+        if notes is not None and len(notes) != batch:
+            raise ValueError(f"Gallery.log: notes for {len(notes)} samples, the batch has {batch}")
+        if marks is not None and tuple(marks.shape) != (batch, 2):
+            raise ValueError(f"Gallery.log: marks must be [{batch}, 2], got {tuple(marks.shape)}")
+        labels = [[f"reward {float(rewards_t[i]):.3f}"] + ([] if adv_t is None else [f"adv {float(adv_t[i]):+.3f}"])
+                  + ([] if notes is None else [str(x) for x in notes[r]]) for i, r in enumerate(index.tolist())]
         grid = folder / f"{stem}.png"
-        labelled_grid(pixels, prompts, notes).save(grid)
+        shown_marks = None if marks is None or not is_video else marks.detach().cpu().float()[index].tolist()
+        labelled_grid(pixels, prompts, labels, marks=shown_marks).save(grid)
         out = {"parquet": parquet, "grid": grid}
 
         if self.wandb_run is not None:

@@ -871,7 +871,8 @@ class Trainer:
                     b = self._last_batch
                     columns = {**b.components, **self.algorithm.gallery_columns(b)}
                     self._gallery_log(self.iteration, b.prompts, b.images, rewards=b.rewards, components=columns,
-                                      advantages=b.advantages, group_size=t.group_size, tag="train")  # all its prompts
+                                      advantages=b.advantages, group_size=t.group_size, tag="train",  # all its prompts
+                                      notes=self.algorithm.gallery_notes(b), marks=self.algorithm.gallery_marks(b))
                 last = self.iteration == t.iterations
                 if t.eval_every and self.iteration % t.eval_every == 0 and not last:
                     self._record_eval()

@@ -330,3 +330,44 @@ def test_the_training_gallery_shows_every_prompt_of_the_iteration(tmp_path):
     grid = Image.open(tmp_path / "gallery" / "train" / "step-000001.png")
     s = MIN_SIDE // 32  # the tiny model's 32x32 images show at 128x128
     assert grid.size[0] == 4 * (32 * s + PAD) + PAD  # one labelled cell per prompt
+
+
+def test_a_marked_window_is_shown_and_barred_under_exactly_its_frames(tmp_path):
+    """Videos with a marked frame window (KVPO's routed frames): the window's first, middle and last frame are among
+    the shown frames, an orange bar runs under every shown frame inside it and nowhere else, an unmarked video gets
+    a grey bar row, and the label carries the algorithm's notes."""
+    from flowgrpo.gallery import labelled_grid
+
+    T, H = 49, 64
+    media = torch.rand(2, T, 3, H, H)
+    marks = torch.tensor([[13.0, 20.0], [float("nan"), float("nan")]])
+    plain = np.asarray(labelled_grid(media, ["a", "b"], [[], []]))
+    marked = np.asarray(labelled_grid(media, ["a", "b"], [[], []], marks=marks.tolist()))
+    s = MIN_SIDE // H
+    picked = sorted(set(np.linspace(0, T - 1, FRAMES).round().astype(int).tolist()) | {13, 16, 20})
+    fw = H * s + PAD
+    assert marked.shape[1] == PAD + len(picked) * fw  # the strip widened by the window's frames (36 is already shown)
+    for row in (0, 1):
+        top = PAD + row * (band(1) + 1 + H * s + 4 + PAD) + band(1) + 1
+        bar = marked[top + H * s: top + H * s + 4, PAD:]
+        for k, t in enumerate(picked):
+            cell = bar[:, k * fw: k * fw + H * s]
+            orange = row == 0 and 13 <= t <= 20
+            assert (cell == ((230, 110, 0) if orange else GREY)).all(), (row, t)
+        k, t = (picked.index(16), 16) if row == 0 else (FRAMES - 1, T - 1)  # unmarked: 8 frames, then white
+        shown = marked[top:top + H * s, PAD + k * fw: PAD + k * fw + H * s]
+        assert np.array_equal(shown, upscaled(to_uint8(media[row, t]), s))
+        filler = marked[top:top + H * s, PAD + (k + 1) * fw: PAD + (k + 1) * fw + H * s]
+        assert row == 0 or (filler == 255).all()
+    assert plain.shape[0] + 2 * 4 == marked.shape[0]
+    with pytest.raises(ValueError, match=r"mark \(40, 60\) of sample 0 is not a frame range"):
+        labelled_grid(media, ["a", "b"], [[], []], marks=[[40, 60], None])
+
+    out = Gallery(tmp_path).log(3, ["a", "b"], media, rewards=torch.tensor([0.5, 0.25]), marks=marks,
+                                notes=[["branch 0", "pi 0.600", "routed 13-20"], ["reference run"]])
+    grid = np.asarray(Image.open(out["grid"]).convert("RGB"))
+    # "reward 0.500  branch 0  pi 0.600  routed 13-20" under the prompt: two label lines per cell instead of one
+    assert grid.shape == (marked.shape[0] + 2 * LINE_H, marked.shape[1], 3)
+    assert (grid == (230, 110, 0)).all(axis=2).sum() == (marked == (230, 110, 0)).all(axis=2).sum()
+    with pytest.raises(ValueError, match=r"marks must be \[2, 2\]"):
+        Gallery(tmp_path).log(4, ["a", "b"], media, rewards=torch.tensor([0.5, 0.25]), marks=marks[:1])

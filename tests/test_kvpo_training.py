@@ -176,6 +176,11 @@ def test_replay_policy_ratio_and_update(rolled):
     assert columns["kvpo/branch"].tolist() == [0, 1, -1, 0, 1, -1]
     plan = batch.extras["routing"][0]
     assert columns["kvpo/routed_from"][0] == 4 * plan.fork_frame - 3 and torch.isnan(columns["kvpo/routed_to"][2])
+    # the grid's labels and marks: the branch, its π and routed pixel frames; the reference run unmarked
+    notes, marks = algo.gallery_notes(batch), algo.gallery_marks(batch)
+    assert notes[2] == ["reference run"] and notes[1][0] == "branch 1" and notes[1][1] == f"pi {float(pi[1]):.3f}"
+    assert notes[0][-1] == f"routed {4 * plan.fork_frame - 3}-{4 * (plan.end_frame - 1)}"
+    assert marks[0].tolist() == marks[2].tolist() == [4 * plan.fork_frame - 3, 4 * (plan.end_frame - 1)]
     loss.backward()
     grads = {n: p.grad for n, p in trainer.unwrapped.named_parameters() if p.grad is not None}
     assert grads and all("lora" in n for n in grads)

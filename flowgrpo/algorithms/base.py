@@ -344,6 +344,16 @@ class Algorithm:
         probability and where its routing started); none by default."""
         return {}
 
+    def gallery_notes(self, batch: Batch) -> list[list[str]] | None:
+        """Per row, more pieces for the label of the training gallery's grid (KVPO: the branch and its policy
+        probability); None (the default): the reward and the advantage only."""
+        return None
+
+    def gallery_marks(self, batch: Batch) -> torch.Tensor | None:
+        """``[n, 2]``: per row the first and last pixel frame of a window the training gallery points out (KVPO:
+        the frames a branch generated with its routed context; NaN: none); None (the default): nothing marked."""
+        return None
+
     @contextlib.contextmanager
     def sampling_policy(self, ctx: UpdateContext) -> Iterator[None]:
         """Phase 2 runs inside this context: the weights the rollout samples with. The trained weights, unless

@@ -920,6 +920,30 @@ class KVPO(Algorithm):
                 end[r] = 4 * (plan.end_frame - 1)
         return {"kvpo/pi": pi, "kvpo/routed_from": start, "kvpo/routed_to": end, "kvpo/branch": branch}
 
+    def gallery_notes(self, batch: Batch) -> list[list[str]]:
+        """``branch g  pi 0.312  routed 13-20`` for a branch, ``reference run`` for the unrouted one."""
+        columns = self.gallery_columns(batch)
+        notes = []
+        for r in range(len(batch.prompts)):
+            g = int(columns["kvpo/branch"][r])
+            if g < 0:
+                notes.append(["reference run"])
+                continue
+            pi = float(columns["kvpo/pi"][r])
+            notes.append([f"branch {g}"] + ([] if math.isnan(pi) else [f"pi {pi:.3f}"])
+                         + [f"routed {int(columns['kvpo/routed_from'][r])}-{int(columns['kvpo/routed_to'][r])}"])
+        return notes
+
+    def gallery_marks(self, batch: Batch) -> torch.Tensor:
+        """Each group's routed pixel frames (``kvpo/routed_from`` .. ``kvpo/routed_to``), on its reference run too:
+        there they are the same frames generated unrouted, so a group's rows show the same frames side by side."""
+        columns = self.gallery_columns(batch)
+        G1 = batch.plan.group_size
+        marks = torch.stack([columns["kvpo/routed_from"], columns["kvpo/routed_to"]], dim=1)
+        for r in range(G1 - 1, len(batch.prompts), G1):
+            marks[r] = marks[r - 1]
+        return marks
+
     def end_iteration(self, ctx: UpdateContext | None = None) -> None:
         """Sync the rollout (old) policy with the trained weights every ``algo.old_sync_every`` iterations."""
         if ctx is None:
