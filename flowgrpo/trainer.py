@@ -332,6 +332,7 @@ class Trainer:
 
         When a group shares its initial noise (``algo.shared_noise``), its members are identical up to their first
         SDE step, so that deterministic prefix is integrated once per prompt and then copied to the G members.
+        With ``plan.tail_ratio < 1`` each row ends on its own compressed tail (:meth:`_integrate`).
         """
         t, G = self.cfg.trainer, self.cfg.trainer.group_size
         plan = batch.plan
@@ -355,13 +356,37 @@ class Trainer:
             if shared:
                 nfe += self._rollout_shared(batch, rows, noise, first, sde_gens, latents, log_probs)
             else:
-                traj = rollout(self._velocity_fn(batch.cond[rows]), noise[rows], plan.sigmas, plan.sde_mask[rows],
-                               kernel=plan.kernel, noise_level=plan.noise_level, solver=plan.solver,
-                               generator=[sde_gens[r] for r in rows.tolist()])
-                latents[rows], log_probs[rows] = traj.latents, traj.log_probs
-                nfe += traj.nfe * len(rows)
+                nfe += self._integrate(batch, rows, noise[rows], 0, sde_gens, latents, log_probs)
         batch.latents, batch.log_probs, batch.nfe = latents, log_probs, nfe
         return batch
+
+    def _integrate(self, batch, rows, x, start, sde_gens, latents, log_probs) -> int:
+        """Integrate ``rows`` from their states ``x`` at step ``start`` to the end, writing ``latents`` and
+        ``log_probs``; returns the NFE spent (sample-steps). Rows share the plan's grid, or with
+        ``plan.tail_ratio < 1`` (Flash-GRPO's compressed tail) rows with the same last SDE step share theirs: the
+        states up to one after that step are on the plan's grid, the final sample goes to the last index and the
+        states in between, never visited, are NaN (``RolloutPlan.tail_ratio``)."""
+        plan = batch.plan
+        steps = plan.num_steps
+        last = plan.last_sde_step()[rows] if plan.tail_ratio < 1 else torch.full((len(rows),), steps - 1)
+        nfe = 0
+        for l in sorted(set(last.tolist())):
+            pick = last == l
+            sel = rows[pick]
+            sigmas = plan.row_sigmas(l)
+            n = sigmas.shape[0] - 1
+            traj = rollout(self._velocity_fn(batch.cond[sel]), x[pick], sigmas[start:], plan.sde_mask[sel, start:n],
+                           kernel=plan.kernel, noise_level=plan.noise_level, solver=plan.solver,
+                           generator=[sde_gens[r] for r in sel.tolist()])
+            nfe += traj.nfe * len(sel)
+            if n == steps:
+                latents[sel, start:], log_probs[sel, start:] = traj.latents, traj.log_probs
+            else:  # the grid is the plan's up to step l + 1, then its own tail
+                latents[sel, start:l + 2] = traj.latents[:, : l + 2 - start]
+                latents[sel, l + 2:steps] = float("nan")
+                latents[sel, steps] = traj.final
+                log_probs[sel, start:l + 1] = traj.log_probs[:, : l + 1 - start]
+        return nfe
 
     def _sample_chunked(self, batch: Batch, noise: torch.Tensor, sde_gens: list[torch.Generator]) -> Batch:
         """A streaming model's rollout (``samplers.chunked_rollout``): block after block, each written into the
@@ -414,12 +439,7 @@ class Trainer:
             x = x.repeat_interleave(G, dim=0)
             latents[members, : l + 1] = prefix
             if l < steps:
-                rest = rollout(self._velocity_fn(batch.cond[members]), x, plan.sigmas[l:], plan.sde_mask[members, l:],
-                               kernel=plan.kernel, noise_level=plan.noise_level, solver=plan.solver,
-                               generator=[sde_gens[r] for r in members.tolist()])
-                latents[members, l:] = rest.latents
-                log_probs[members, l:] = rest.log_probs
-                nfe += rest.nfe * len(members)
+                nfe += self._integrate(batch, members, x, l, sde_gens, latents, log_probs)
         return nfe
 
     # ------------------------------------------------------------------ 3. score

@@ -35,6 +35,9 @@ ALGORITHMS = {
     "mix_grpo": ["algo=mix_grpo", "sampler=mix_sde"],
     "mix_grpo_flash": ["algo=mix_grpo", "sampler=mix_sde_flash", "algo.compress_ratio=0.4"],
     "flash_grpo": ["algo=flash_grpo", "sampler=mix_sde"],
+    # experiment=flash_grpo_fast's rollout: the ODE prefix before k_p once per group, a compressed DPM-Solver++ tail
+    "flash_grpo_fast": ["algo=flash_grpo", "sampler=mix_sde", "sampler.solver=dpm++2m", "algo.shared_noise=true",
+                        "algo.compress_ratio=0.4"],
     "diffusion_nft": ["algo=diffusion_nft"],  # ODE rollouts; 9 of 10 noise levels trained per sample
     # MixGRPO with its window frozen at the last position (start = T − w, set in bench_algorithm): the shared-noise
     # ODE prefix is longest there, so this row shows what computing it once per prompt saves

@@ -289,6 +289,20 @@ def test_flash_grpo_one_shared_step_per_prompt_and_rectified_weights():
     torch.testing.assert_close(algo.advantages(r, 4), group_advantages(r, 4, global_std=True))
 
 
+def test_flash_grpo_compressed_tail_is_per_row_and_leaves_the_trained_grid_alone():
+    plan = FlashGRPO(SIGMAS10, compress_ratio=0.4).plan(8, 2, generator=gen(3))
+    assert plan.tail_ratio == 0.4 and torch.equal(plan.sigmas, SIGMAS10)
+    k = plan.first_sde_step()
+    assert torch.equal(plan.last_sde_step(), k) and len(set(k.tolist())) > 1
+    for l in set(k.tolist()):
+        grid = plan.row_sigmas(l)
+        assert torch.equal(grid[: l + 2], SIGMAS10[: l + 2]) and grid[-1] == 0
+        assert grid.shape[0] - 1 == l + 1 + max(1, int((10 - 1 - l) * 0.4))
+    assert torch.equal(plan.subset(torch.arange(4)).row_sigmas(int(k[0])), plan.row_sigmas(int(k[0])))
+    assert torch.equal(plan.row_sigmas(-1), SIGMAS10)  # a row without an SDE step keeps the full grid
+    assert FlashGRPO(SIGMAS10).plan(8, 2, generator=gen(3)).tail_ratio == 1.0
+
+
 def test_flash_grpo_rejects_a_cps_step_into_zero():
     with pytest.raises(ValueError, match="algo.max_step"):
         FlashGRPO(SIGMAS10, kernel="cps", max_step=10)

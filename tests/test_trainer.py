@@ -38,6 +38,8 @@ ALGOS = {
     "mix_grpo_flash": ["algo=mix_grpo", "sampler=mix_sde_flash", "algo.compress_ratio=0.4", "algo.window.size=2",
                        "algo.window.start=1"],
     "flash_grpo": ["algo=flash_grpo", "sampler=mix_sde", "algo.shared_noise=true"],
+    "flash_grpo_tail": ["algo=flash_grpo", "sampler=sde", "sampler.solver=dpm++2m", "algo.compress_ratio=0.4",
+                        "algo.shared_noise=true"],
 }
 
 
@@ -116,6 +118,39 @@ def test_shared_noise_computes_the_ode_prefix_once_per_prompt(tmp_path):
     noise = batch.latents[:, 0]
     full = rollout(trainer._velocity_fn(batch.cond), noise, batch.plan.sigmas, torch.zeros(T, dtype=torch.bool))
     torch.testing.assert_close(full.latents[:, : prefix + 1], batch.latents[:, : prefix + 1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_flash_grpo_compressed_tail_per_prompt(tmp_path, shared):
+    """algo.compress_ratio: every row is integrated on the plan's grid up to one step after its k_p (bit for bit
+    the full-grid rollout with the same generators), then on its own compressed tail, which ends in exactly the
+    sample a direct rollout on that grid gives; the unvisited states are NaN; the NFE counts what ran."""
+    from samplers import compress_tail, rollout
+
+    T, P, G = 10, 3, 2
+    common = ["algo=flash_grpo", "sampler=sde", f"sampler.num_steps={T}", "sampler.solver=dpm++2m",
+              f"algo.shared_noise={str(shared).lower()}", f"trainer.prompts_per_iteration={P}",
+              f"trainer.group_size={G}", f"trainer.train_batch_size={P * G}", "algo.max_step=8"]
+    full = Trainer(make_cfg(tmp_path / "full", *common), tmp_path / "full")
+    tail = Trainer(make_cfg(tmp_path / "tail", *common, "algo.compress_ratio=0.4"), tmp_path / "tail")
+    a, b = full.rollout(full.plan(0), 0), tail.rollout(tail.plan(0), 0)
+    k = b.plan.info["flash_steps"].repeat_interleave(G)
+    assert torch.equal(k, a.plan.info["flash_steps"].repeat_interleave(G)) and len(set(k.tolist())) > 1
+    assert torch.equal(b.plan.sigmas, a.plan.sigmas)  # trained steps stay on the full grid
+    nfe = 0
+    for r in range(P * G):
+        l = int(k[r])
+        assert torch.equal(b.latents[r, : l + 2], a.latents[r, : l + 2]) and torch.equal(b.log_probs[r], a.log_probs[r])
+        grid = compress_tail(a.plan.sigmas, l, 0.4)
+        m = grid.shape[0] - 1 - (l + 1)
+        assert torch.isnan(b.latents[r, l + 2: T]).all() == (m < T - 1 - l) and torch.isfinite(b.latents[r, T]).all()
+        end = rollout(tail._velocity_fn(b.cond[[r]]), a.latents[r, l + 1: l + 2], grid[l + 1:], torch.zeros(m, dtype=torch.bool),
+                      solver="dpm++2m")
+        torch.testing.assert_close(b.latents[r, T], end.final[0], atol=1e-5, rtol=1e-5)
+        nfe += l + 1 + m if not shared or r % G == 0 else 1 + m  # shared noise: the prefix once per prompt
+    assert b.nfe == nfe < a.nfe
+    ratio = torch.exp(recompute_log_probs(tail, b)[b.plan.train_mask] - b.log_probs[b.plan.train_mask])
+    assert torch.equal(ratio, torch.ones_like(ratio))
 
 
 def test_resume_gives_the_same_next_iteration_as_running_on(tmp_path):

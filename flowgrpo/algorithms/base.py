@@ -30,7 +30,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from samplers import KERNELS, SOLVERS
+from samplers import KERNELS, SOLVERS, compress_tail
 
 from ..advantages import group_advantages
 from ..config import AlgoConfig
@@ -63,6 +63,11 @@ class RolloutPlan:
         group_size: ``G``.
         info: what else the plan fixed for the whole batch: logs (window start, Flash steps) and batch-wide
             constants (Flash-GRPO's ``inv_lambda_mean``); kept by :meth:`subset`.
+        tail_ratio: ``< 1``: each row integrates the steps after its own last SDE step on a compressed grid of
+            ``max(1, ⌊n·ratio⌋)`` steps (``samplers.compress_tail``; Flash-GRPO, whose SDE step differs per prompt).
+            ``sigmas`` stays the full grid: every trained step (never after a row's last SDE step) and the states
+            around it are on it. The rollout then stores each row's states up to one after its last SDE step and
+            its final sample (index ``T'``); states in between were never visited on this grid and are NaN.
     """
 
     sigmas: torch.Tensor
@@ -73,6 +78,7 @@ class RolloutPlan:
     noise_level: float
     group_size: int = 1
     info: dict[str, Any] = field(default_factory=dict)
+    tail_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         self.sigmas = torch.as_tensor(self.sigmas, dtype=torch.float32)
@@ -130,6 +136,20 @@ class RolloutPlan:
         steps = self.num_steps
         first = self.sde_mask.to(torch.uint8).argmax(dim=1)
         return torch.where(self.sde_mask.any(dim=1), first, torch.full_like(first, steps))
+
+    def last_sde_step(self) -> torch.Tensor:
+        """``LongTensor[N]``: each row's last SDE step (−1 when none)."""
+        if self.num_chunks > 1:
+            raise ValueError("a chunked plan has no per-row tail (each chunk is integrated on the full grid)")
+        idx = torch.arange(self.num_steps)
+        return torch.where(self.sde_mask, idx, torch.full_like(idx, -1)).amax(dim=1)
+
+    def row_sigmas(self, last_sde: int) -> torch.Tensor:
+        """The grid a row whose last SDE step is ``last_sde`` integrates: ``sigmas``, or with ``tail_ratio < 1``
+        its compressed tail (``samplers.compress_tail``; rows without an SDE step keep the full grid)."""
+        if self.tail_ratio >= 1 or last_sde < 0:
+            return self.sigmas
+        return compress_tail(self.sigmas, last_sde, self.tail_ratio)
 
     def shared_prefix(self) -> torch.Tensor:
         """``LongTensor[P]``: per group, the number of leading steps that are ODE for every member (the min of
@@ -402,9 +422,10 @@ class Algorithm:
     def _adv_text(self) -> str:
         return f"advantage ({'global' if self.cfg.global_std else 'group'} std, clip ±{self.cfg.adv_clip:g})"
 
-    def _make_plan(self, sigmas, sde_mask, train_mask, group_size, **info) -> RolloutPlan:
+    def _make_plan(self, sigmas, sde_mask, train_mask, group_size, *, tail_ratio: float = 1.0, **info) -> RolloutPlan:
         return RolloutPlan(sigmas=sigmas, sde_mask=sde_mask, train_mask=train_mask, solver=self.solver,
-                           kernel=self.kernel, noise_level=self.noise_level, group_size=group_size, info=info)
+                           kernel=self.kernel, noise_level=self.noise_level, group_size=group_size, info=info,
+                           tail_ratio=tail_ratio)
 
     @staticmethod
     def _check_batch(num_prompts: int, group_size: int) -> int:

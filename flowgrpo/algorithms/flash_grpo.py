@@ -12,6 +12,12 @@
   and is fixed at plan time, so neither the split over processes nor micro-batching changes a weight.
 
 Flash-GRPO places its own SDE step; the sampler gives the schedule, kernel, noise level and the ODE solver.
+
+**Cheaper rollouts** (ours; neither changes the trained transition's distribution). With ``algo.shared_noise`` a
+group's members are identical up to ``k_p``, so the trainer integrates that ODE prefix once per prompt. With
+``algo.compress_ratio < 1`` the ODE steps after ``k_p`` only have to reach a decodable sample: they run on
+``max(1, ⌊n·ratio⌋)`` steps uniform in σ (``samplers.compress_tail``, the MixGRPO-Flash tail, per prompt since
+``k_p`` is), best with ``sampler.solver=dpm++2m``. ``experiment=flash_grpo_fast`` turns both on.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class FlashGRPOConfig(PolicyGradientConfig):
     global_std: bool = True  # (r - mean_prompt) / std over the whole batch
     max_step: Optional[int] = _knob(None, ge=1)  # K: k_p ~ U{0..K-1}; null = the first half of sampler.num_steps
     rectify: bool = True  # weight each transition by (1/lambda_k)/mean(1/lambda): equal gradient scale across steps
+    compress_ratio: float = _knob(1.0, gt=0, le=1)  # < 1: the ODE steps after k_p on max(1, floor(n*ratio)) steps (sampler.solver)
 
 
 class FlashGRPO(PolicyGradient):
@@ -80,7 +87,7 @@ class FlashGRPO(PolicyGradient):
         # rows (RolloutPlan.subset) or a micro-batch weights its transitions exactly as one process would.
         inv_lambda_mean = float(self._inv_lambda(self.base_sigmas, steps).mean())
         return self._make_plan(self.base_sigmas, mask, mask.clone(), group_size, flash_steps=steps,
-                               inv_lambda_mean=inv_lambda_mean)
+                               inv_lambda_mean=inv_lambda_mean, tail_ratio=self.cfg.compress_ratio)
 
     def _inv_lambda(self, sigmas: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         return 1.0 / kernel_lambda(sigmas[steps], sigmas[steps + 1], kernel=self.kernel, noise_level=self.noise_level)
@@ -98,6 +105,7 @@ class FlashGRPO(PolicyGradient):
         return self._inv_lambda(plan.sigmas, steps) / norm
 
     def describe(self) -> str:
+        tail = f", the steps after it compressed ×{self.cfg.compress_ratio:g}" if self.cfg.compress_ratio < 1 else ""
         return (f"flash_grpo (Flash-GRPO): one SDE step per prompt, k_p ~ U{{0..{self.max_step - 1}}} of "
-                f"{self.num_steps} steps, {self._kernel_text()}, ODE elsewhere ({self.solver}); gradient "
+                f"{self.num_steps} steps{tail}, {self._kernel_text()}, ODE elsewhere ({self.solver}); gradient "
                 f"rectification {'on' if self.cfg.rectify else 'off'}; {self._adv_text()}")
