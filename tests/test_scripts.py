@@ -21,14 +21,15 @@ def test_bench_iteration_reports_every_algorithm_side_by_side(tmp_path):
     out = tmp_path / "bench.json"
     report = bench.main([
         "--model", "tiny_sd3", "--reward", "jpeg_compressibility",
-        "--iterations", "1", "--warmup", "0", "--algorithms", "flow_grpo,mix_grpo,flash_grpo,mix_grpo_late", "--threads", "1",
+        "--iterations", "1", "--warmup", "0", "--algorithms", "flow_grpo,mix_grpo,flash_grpo,flash_grpo_fast,mix_grpo_late",
+        "--threads", "1",
         "--out", str(out), "--set", "sampler.num_steps=4", "--set", "mix_grpo:algo.window.size=2",
         "--set", "mix_grpo:algo.window.start=1", "--set", "trainer.prompts_per_iteration=2", "--set", "trainer.group_size=2",
         "--set", "trainer.train_batch_size=4", "--set", "trainer.gradient_accumulation_steps=1",
     ])
     assert out.is_file()
     algos = report["algorithms"]
-    assert set(algos) == {"flow_grpo", "mix_grpo", "flash_grpo", "mix_grpo_late"}
+    assert set(algos) == {"flow_grpo", "mix_grpo", "flash_grpo", "flash_grpo_fast", "mix_grpo_late"}
     # window frozen at start T − w = 2 of 4: the 2-step prefix runs once per prompt (2 prompts) instead of per sample
     assert algos["mix_grpo_late"]["rollout_nfe"] == 2 * 2 + 4 * 2
     assert algos["mix_grpo_late"]["prefix_reuse_nfe_saving"] == 1 - 12 / 16 and algos["flow_grpo"]["prefix_reuse_nfe_saving"] == 0
@@ -43,6 +44,10 @@ def test_bench_iteration_reports_every_algorithm_side_by_side(tmp_path):
     assert algos["mix_grpo"]["rollout_nfe"] == 2 * 1 + 4 * 3
     # trained transitions: every step vs the window vs one step per sample
     assert [algos[k]["trained_transitions"] for k in ("flow_grpo", "mix_grpo", "flash_grpo")] == [16, 8, 4]
+    # Flash-GRPO's cheaper rollout: per group k_p prefix steps once, then 1 SDE step + a 1-step tail per member
+    # (k_p in {0, 1} of 4 steps: 4 or 5 per group instead of 8), the same single trained transition
+    assert algos["flash_grpo"]["rollout_nfe"] == 16 and 8 <= algos["flash_grpo_fast"]["rollout_nfe"] <= 10
+    assert algos["flash_grpo_fast"]["trained_transitions"] == 4
     assert report["pipeline"]["nfe"] == 4 and report["pipeline"]["rollout_over_pipeline"] > 0
 
 
