@@ -1,6 +1,8 @@
 """The benchmark scripts run end to end at a tiny size and report what they promise (no timing assertions)."""
 
 import importlib.util
+import json
+import math
 from pathlib import Path
 
 import pytest
@@ -230,3 +232,32 @@ def test_eval_geneval_scores_videos_and_draws_a_labelled_sample_sheet(tmp_path):
              "check/identity": torch.tensor([1.0, 0.0])}
     assert ev.verdict_notes(comps, "", 0) == ["strict PASS", "partial 1.00"]
     assert ev.verdict_notes(comps, "", 1) == ["strict FAIL", "partial 0.50", "motion x", "identity x"]
+
+
+def test_compare_presets_reads_finished_runs_and_reports_mean_std_and_curves(tmp_path):
+    """Finished runs under --runs are read back, not run again: per arm the mean ± std over seeds of each metric at
+    the last evaluation, its change from iteration 0, the curve, the wall clock; a table column it does not report
+    is refused."""
+    compare = load_script("compare_presets")
+    runs = tmp_path / "runs"
+    finals = {("a", 0): 0.5, ("a", 1): 0.7, ("b", 0): 0.3, ("b", 1): 0.3}
+    for (arm, seed), final in finals.items():
+        d = runs / f"{arm}_seed{seed}"
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text("{}")
+        (d / "wall_clock.json").write_text(json.dumps({"seconds": 60.0 * (seed + 1)}))
+        rows = [{"iteration": 0, "eval/strict": 0.2}, {"iteration": 1, "reward/mean": 0.1},
+                {"iteration": 2, "eval/strict": final}]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = compare.main(["--arms", "a,b", "--seeds", "0,1", "--runs", str(runs), "--out", str(tmp_path / "cmp"),
+                           "--metrics", "eval/strict", "--columns", "eval/strict=strict"])
+    a = report["arms"]["a"]
+    assert a["eval/strict"]["final"] == {"mean": 0.6, "std": round(math.sqrt(0.02), 4), "n": 2}
+    assert a["eval/strict"]["gain"]["mean"] == 0.4 and a["seconds"]["mean"] == 90.0 and a["iterations"] == 2
+    assert [p["mean"] for p in a["curve"]["eval/strict"]] == [0.2, 0.6]
+    assert report["arms"]["b"]["eval/strict"]["final"]["std"] == 0.0
+    assert "| a | 2 | 2 | 1.5 | 0.600 ± 0.141 (+0.400) |" in (tmp_path / "cmp.md").read_text()
+    assert (tmp_path / "cmp.png").is_file() and json.loads((tmp_path / "cmp.json").read_text())["arms"] == report["arms"]
+    with pytest.raises(SystemExit, match="eval/partial"):
+        compare.main(["--arms", "a", "--seeds", "0", "--runs", str(runs), "--out", str(tmp_path / "x"),
+                      "--metrics", "eval/strict", "--columns", "eval/partial=partial"])

@@ -1,0 +1,151 @@
+#!/usr/bin/env python
+r"""Experiment presets side by side over seeds, at each preset's own budget: JSON + PNG + a markdown table.
+
+    python scripts/compare_presets.py --arms flash_grpo_shapes,flash_grpo_fast --seeds 0,1,2 \
+        --metrics eval/strict,eval/partial --runs outputs/flash --out docs/results/flash_grpo_tail
+    python scripts/compare_streaming.py                # the streaming presets (this script with their metrics)
+
+Each run is ``python train.py experiment=<arm> trainer.seed=<seed> [--set ...]``, one after the other so that their
+clocks do not share the CPU. Every run's directory is kept under ``--runs`` as ``<arm>_seed<seed>``; a run already
+finished there is read back instead of run again, so an interrupted comparison resumes where it stopped, and the
+JSON is rewritten after every run.
+
+Reported per arm: mean ± std over seeds of each ``--metrics`` held-out value at the last evaluation, its change
+from iteration 0, the value at every evaluation, and the wall clock of a run (evaluations included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(arm: str, seed: int, runs: Path, extra: list[str], metrics: list[str]) -> dict:
+    out = runs / f"{arm}_seed{seed}"
+    summary = out / "summary.json"
+    if not summary.is_file():
+        start = time.time()
+        cmd = [sys.executable, str(REPO / "train.py"), f"experiment={arm}", f"trainer.seed={seed}",
+               f"hydra.run.dir={out}", *extra]
+        with open(runs / f"{arm}_seed{seed}.log", "w") as log:
+            proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed (exit {proc.returncode}); see {runs / f'{arm}_seed{seed}.log'}")
+        (out / "wall_clock.json").write_text(json.dumps({"seconds": time.time() - start}))
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+             if line.strip() and any(k.startswith("eval/") for k in json.loads(line))]
+    seconds = json.loads((out / "wall_clock.json").read_text())["seconds"]
+    return {"arm": arm, "seed": seed, "seconds": round(seconds, 1), "dir": str(out),
+            "evals": [{"iteration": e["iteration"], **{m: e.get(m) for m in metrics}} for e in evals]}
+
+
+def summarise(results: list[dict], metrics: list[str]) -> dict:
+    arms = {}
+    for arm in sorted({r["arm"] for r in results}):
+        mine = [r for r in results if r["arm"] == arm]
+        row = {"seeds": [r["seed"] for r in mine], "iterations": mine[0]["evals"][-1]["iteration"],
+               "seconds": _stats([r["seconds"] for r in mine])}
+        for m in metrics:
+            last = [r["evals"][-1][m] for r in mine if r["evals"][-1].get(m) is not None]
+            gain = [r["evals"][-1][m] - r["evals"][0][m] for r in mine
+                    if r["evals"][-1].get(m) is not None and r["evals"][0].get(m) is not None]
+            row[m] = {"final": _stats(last), "gain": _stats(gain)}
+        row["base"] = {m: mine[0]["evals"][0].get(m) for m in metrics}
+        row["curve"] = {m: [{"iteration": e["iteration"], **_stats([r["evals"][i][m] for r in mine
+                                                                  if i < len(r["evals"]) and r["evals"][i].get(m) is not None])}
+                            for i, e in enumerate(mine[0]["evals"])] for m in metrics}
+        arms[arm] = row
+    return arms
+
+
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "std": None, "n": 0}
+    return {"mean": round(statistics.fmean(values), 4),
+            "std": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0, "n": len(values)}
+
+
+def table(arms: dict, cols: list[tuple[str, str]]) -> str:
+    head = "| arm | seeds | iterations | minutes | " + " | ".join(f"{name} (Δ)" for _, name in cols) + " |"
+    lines = [head, "|" + "---|" * (4 + len(cols))]
+    for arm, row in arms.items():
+        cells = []
+        for key, _ in cols:
+            f, g = row[key]["final"], row[key]["gain"]
+            cells.append("n/a" if f["mean"] is None else
+                         f"{f['mean']:.3f} ± {f['std']:.3f} ({g['mean']:+.3f})")
+        lines.append(f"| {arm} | {len(row['seeds'])} | {row['iterations']} | {row['seconds']['mean'] / 60:.1f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path, metrics: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.6), squeeze=False)
+    axes = axes[0]
+    for arm, color in zip(sorted({r["arm"] for r in results}), ["tab:blue", "tab:orange", "tab:green"]):
+        for ax, metric in zip(axes, metrics):
+            for i, r in enumerate(x for x in results if x["arm"] == arm):
+                its = [e["iteration"] for e in r["evals"]]
+                ax.plot(its, [e[metric] for e in r["evals"]], "o-", color=color, alpha=0.8,
+                        label=arm if i == 0 else None)
+            ax.set_xlabel("iteration")
+            ax.set_title(f"held-out {metric.removeprefix('eval/')}")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None, *, description: str | None = None, defaults: dict | None = None) -> dict:
+    """``defaults``: other defaults for the options (``compare_streaming.py`` sets arms, runs, out and metrics)."""
+    defaults = {"arms": None, "runs": None, "out": None, "metrics": "eval/reward", "columns": None, "plot": None,
+                **(defaults or {})}
+    p = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0])
+    p.add_argument("--arms", default=defaults["arms"], required=defaults["arms"] is None,
+                   help="experiment presets, comma-separated")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--runs", default=defaults["runs"], required=defaults["runs"] is None, help="run directories")
+    p.add_argument("--out", default=defaults["out"], required=defaults["out"] is None,
+                   help="path stem of the JSON / PNG / markdown written")
+    p.add_argument("--metrics", default=defaults["metrics"], help="held-out metrics reported, comma-separated")
+    p.add_argument("--columns", default=defaults["columns"],
+                   help="metric=label pairs of the markdown table, separated by ';' (default: every metric)")
+    p.add_argument("--plot", default=defaults["plot"], help="metrics plotted, comma-separated (default: the first two)")
+    p.add_argument("--set", nargs="*", default=[], help="extra overrides for every run (key=value)")
+    args = p.parse_args(argv)
+    metrics = args.metrics.split(",")
+    cols = ([tuple(c.split("=", 1)) for c in args.columns.split(";")] if args.columns
+            else [(m, m.removeprefix("eval/")) for m in metrics])
+    unknown = sorted({c for c, _ in cols} - set(metrics))
+    if unknown:
+        raise SystemExit(f"--columns names {unknown}, which --metrics does not report")
+    shown = args.plot.split(",") if args.plot else metrics[:2]
+    runs = Path(args.runs)
+    runs.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for arm in args.arms.split(","):
+            results.append(run(arm, seed, runs, args.set, metrics))
+            report = {"arms": summarise(results, metrics), "runs": results, "overrides": args.set}
+            out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+            out.with_suffix(".md").write_text(table(report["arms"], cols) + "\n")
+            plot(results, out.with_suffix(".png"), shown)
+    print(table(report["arms"], cols))
+    return report
+
+
+if __name__ == "__main__":
+    main()
