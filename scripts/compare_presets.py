@@ -94,7 +94,8 @@ def plot(results: list[dict], path: Path, metrics: list[str]) -> None:
 
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.6), squeeze=False)
     axes = axes[0]
-    for arm, color in zip(sorted({r["arm"] for r in results}), ["tab:blue", "tab:orange", "tab:green"]):
+    for k, arm in enumerate(sorted({r["arm"] for r in results})):
+        color = plt.get_cmap("tab10")(k % 10)  # every arm its colour (10 before they repeat)
         for ax, metric in zip(axes, metrics):
             for i, r in enumerate(x for x in results if x["arm"] == arm):
                 its = [e["iteration"] for e in r["evals"]]
