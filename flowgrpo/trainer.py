@@ -552,8 +552,8 @@ class Trainer:
             raise NonFiniteError(
                 f"{self._consecutive_skips} optimizer updates in a row had a non-finite loss or gradient norm "
                 f"(iteration {iteration}; trainer.max_skipped_updates={limit}); the weights were not changed by them. "
-                f"Last checkpoint: {last if last is not None else 'none'}. Lower trainer.lr, check the reward and "
-                f"the data, or raise trainer.max_skipped_updates.")
+                f"Newest checkpoint on disk before this error: {last if last is not None else 'none'}. Lower "
+                f"trainer.lr, check the reward and the data, or raise trainer.max_skipped_updates.")
 
     def _clip(self) -> float:
         max_norm = self.cfg.trainer.max_grad_norm
