@@ -246,22 +246,24 @@ def labelled_grid(
         windows = [None] * len(pixels) if marks is None else [_mark(m) for m in marks]
         if len(windows) != len(pixels):
             raise ValueError(f"labelled_grid: {len(pixels)} samples, {len(windows)} marks")
-        for i, w in enumerate(windows):
-            if w is not None and not 0 <= w[0] <= w[1] < frames:
-                raise ValueError(f"labelled_grid: mark {w} of sample {i} is not a frame range within [0, {frames})")
-        picks = [_pick_frames(frames, max_frames, w) for w in windows]
+        for i, window in enumerate(windows):
+            if window is not None and not 0 <= window[0] <= window[1] < frames:
+                raise ValueError(f"labelled_grid: mark {window} of sample {i} is not a frame range within "
+                                 f"[0, {frames})")
+        picks = [_pick_frames(frames, max_frames, window) for window in windows]
         width = max(len(p) for p in picks)
+        barred = any(window is not None for window in windows)  # then every strip gets the bar row: cells line up
+        fw = w * s + _PAD  # one shown frame and the gap after it
         cells = []
-        for p, pick, w in zip(pixels, picks, windows):
+        for p, pick, window in zip(pixels, picks, windows):
             shown = [_upscale(p[t].permute(1, 2, 0).numpy(), s) for t in pick]
             shown += [np.full_like(shown[0], 255)] * (width - len(shown))  # strips of one width: white filler
             strip = _frames_strip(shown)
-            if any(x is not None for x in windows):
+            if barred:
                 bar = np.empty((_MARK_H, strip.shape[1], 3), dtype=np.uint8)
                 bar[:] = _FRAME_RGB
-                fw = shown[0].shape[1] + _PAD
                 for k, t in enumerate(pick):
-                    if w is not None and w[0] <= t <= w[1]:
+                    if window is not None and window[0] <= t <= window[1]:
                         bar[:, k * fw:k * fw + fw - _PAD] = _MARK_RGB
                 strip = np.concatenate([strip, bar])
             cells.append(strip)
