@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["group_advantages", "weighted_advantages", "advantage_stats", "component_group_stats", "RewardAggregator"]
+__all__ = ["group_advantages", "slas_advantages", "weighted_advantages", "advantage_stats", "component_group_stats",
+           "RewardAggregator"]
 
 
 def _groups(values: torch.Tensor, group_size: int, name: str = "rewards") -> torch.Tensor:
@@ -36,6 +37,13 @@ def _groups(values: torch.Tensor, group_size: int, name: str = "rewards") -> tor
     if group_size < 1 or values.shape[0] % group_size:
         raise ValueError(f"{values.shape[0]} {name} do not split into groups of trainer.group_size={group_size}")
     return values.detach().to(torch.float64).view(-1, group_size)
+
+
+def _check_finite(r: torch.Tensor) -> None:
+    if not torch.isfinite(r).all():
+        bad = (~torch.isfinite(r)).flatten().nonzero().flatten().tolist()
+        raise ValueError(f"non-finite rewards at rows {bad[:8]}{' ...' if len(bad) > 8 else ''}: a reward must "
+                         "raise rather than return NaN/inf (it would poison every advantage of the batch)")
 
 
 def group_advantages(
@@ -62,14 +70,44 @@ def group_advantages(
     tensor([-1.,  1.,  0.,  0.])
     """
     r = _groups(rewards, group_size)
-    if not torch.isfinite(r).all():
-        bad = (~torch.isfinite(r)).flatten().nonzero().flatten().tolist()
-        raise ValueError(f"non-finite rewards at rows {bad[:8]}{' ...' if len(bad) > 8 else ''}: a reward must "
-                         "raise rather than return NaN/inf (it would poison every advantage of the batch)")
+    _check_finite(r)
     from rewards.aggregate import per_reward_group_advantages  # the one group normaliser (usable standalone)
 
     return per_reward_group_advantages({"reward": r.flatten()}, {"reward": 1.0}, group_size, clip=clip, eps=eps,
                                        global_std=global_std)
+
+
+def slas_advantages(rewards: torch.Tensor, group_size: int, *, gamma: float, clip: float | None = 5.0) -> torch.Tensor:
+    """Super-linear advantage shaping (SLAS, arXiv 2605.10937), float32 ``[N]``.
+
+    ``Δr_i = r_i − mean_group`` (no per-group std: dividing by it calls a 0.01 spread as large as a 0.5 one),
+    ``u = Δr / std_batch(Δr)``, ``Ã = sign(u)·|u|^{1+γ}``, then ``Ã / rms_batch(Ã)`` and the clip.
+
+    A deviation under one batch standard deviation is shrunk relative to a larger one — two samples keep
+    ``|Ã₁/Ã₂| = |Δr₁/Δr₂|^{1+γ}`` — so near-ties stop pulling the update as hard as real wins. Shaping is odd and
+    monotone: the order inside a group is unchanged. The paper's normalisation is "batch-level" without saying
+    where it sits; we normalise before the power (so "small" means small against this batch, whatever the reward's
+    scale) and rescale to unit RMS after it (so γ changes the direction of the update, not its size). ``γ = 0`` is
+    plain mean-centring with the batch std. Groups with no spread get exactly 0.
+
+    >>> slas_advantages(torch.tensor([0.0, 2.0, 1.0, 1.0]), 2, gamma=1.0)
+    tensor([-1.4142,  1.4142,  0.0000,  0.0000])
+    """
+    if gamma < 0:
+        raise ValueError(f"SLAS needs gamma >= 0 (algo.slas_gamma), got {gamma}")
+    r = _groups(rewards, group_size)
+    _check_finite(r)
+    centred = r - r.mean(dim=1, keepdim=True)
+    centred = torch.where((r.amax(dim=1) == r.amin(dim=1)).unsqueeze(1), torch.zeros_like(centred), centred)
+    std = centred.flatten().std(correction=0)
+    if std == 0:  # no group has any spread: no signal anywhere
+        return torch.zeros(r.numel(), dtype=torch.float32)
+    u = centred / std
+    shaped = u.sign() * u.abs().pow(1.0 + gamma)
+    adv = shaped / shaped.pow(2).mean().sqrt()
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return adv.flatten().to(torch.float32)
 
 
 def weighted_advantages(

@@ -492,6 +492,11 @@ def _cross_checks(cfg: DictConfig, errors: list[str]) -> None:
     if r is not None and not OmegaConf.is_missing(r, "name") and r.aggregate.name != "sum" and r.name != "multi":
         errors.append(f"reward.aggregate.name={r.aggregate.name!r} combines the components of a multi-reward, but "
                       f"reward={r.name!r} has one score: use reward=multi, or reward.aggregate.name=sum")
+    if a is not None and r is not None and a.get("slas_gamma") is not None and not OmegaConf.is_missing(r, "name") \
+            and r.aggregate.name != "sum":
+        errors.append(f"algo.slas_gamma={a.slas_gamma} shapes the advantage of one reward, but "
+                      f"reward.aggregate.name={r.aggregate.name!r} computes the advantages per component: set "
+                      "algo.slas_gamma=null, or reward.aggregate.name=sum")
     t = cfg.get("trainer")
     if t is not None and len(t.adam_betas) != 2:
         errors.append(f"trainer.adam_betas={list(t.adam_betas)} must hold two values [beta1, beta2]")

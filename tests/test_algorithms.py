@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from flowgrpo.advantages import advantage_stats, group_advantages, weighted_advantages
+from flowgrpo.advantages import advantage_stats, group_advantages, slas_advantages, weighted_advantages
 from flowgrpo.algorithms import (ALGORITHMS, FlashGRPO, GRPO, MixGRPO, RolloutPlan, build_algorithm, ppo_clip_loss,
                                  reduce_log_prob)
 from flowgrpo.algorithms.grpo import DanceGRPO, GRPOConfig
@@ -84,6 +84,60 @@ def test_group_advantages_rejects_bad_input():
         group_advantages(REWARDS, 5)
     with pytest.raises(ValueError, match="non-finite rewards at rows \\[2\\]"):
         group_advantages(torch.tensor([0.0, 1.0, float("nan"), 1.0]), 2)
+
+
+def test_slas_gamma_zero_is_mean_centring_with_the_batch_std():
+    r = REWARDS.double()
+    centred = (r.view(3, 4) - r.view(3, 4).mean(1, keepdim=True)).flatten()
+    centred[4:8] = 0.0
+    expected = (centred / centred.std(correction=0)).float()
+    torch.testing.assert_close(slas_advantages(REWARDS, 4, gamma=0.0, clip=None), expected)
+
+
+@pytest.mark.parametrize("gamma", [0.5, 1.0, 2.0])
+def test_slas_shaping_is_super_linear_odd_monotone_and_scale_free(gamma):
+    r = torch.rand(48, generator=gen(3)).double()
+    r[8:16] = 0.25  # a group with no spread
+    adv = slas_advantages(r, 8, gamma=gamma, clip=None).double()
+    centred = (r.view(6, 8) - r.view(6, 8).mean(1, keepdim=True)).flatten()
+    live = centred.abs() > 1e-9
+    # any two samples of the batch: |A1/A2| = |dr1/dr2|^(1+gamma), signs those of dr
+    i, j = live.nonzero().flatten()[:2]
+    assert float(adv[i] / adv[j]) == pytest.approx(float((centred[i] / centred[j]).abs() ** (1 + gamma)
+                                                           * torch.sign(centred[i] * centred[j])), rel=1e-5)
+    assert torch.equal(torch.sign(adv[live]), torch.sign(centred[live]))
+    assert adv[8:16].tolist() == [0.0] * 8  # exactly 0, not a rounding error
+    assert float(adv.pow(2).mean()) == pytest.approx(1.0, rel=1e-5)  # unit RMS whatever gamma
+    for g in (0, 2, 3, 4, 5):  # the order inside each group is the rewards' order (group 1 is all ties)
+        assert torch.equal(torch.argsort(adv[g * 8:(g + 1) * 8]), torch.argsort(r[g * 8:(g + 1) * 8]))
+    torch.testing.assert_close(slas_advantages(-r, 8, gamma=gamma, clip=None), -adv.float())  # odd
+    # invariant to the reward's scale and to a constant per group (normalised before the power)
+    shifted = 3.0 * r + torch.arange(6, dtype=torch.float64).repeat_interleave(8)
+    torch.testing.assert_close(slas_advantages(shifted, 8, gamma=gamma, clip=None), adv.float(), rtol=1e-5, atol=1e-6)
+    # small deviations shrink against large ones compared with no shaping
+    plain = slas_advantages(r, 8, gamma=0.0, clip=None).double()
+    nonzero = live.nonzero().flatten()
+    small, large = nonzero[centred[nonzero].abs().argmin()], centred.abs().argmax()
+    assert abs(adv[small] / adv[large]) < abs(plain[small] / plain[large])
+    assert float(slas_advantages(r, 8, gamma=gamma, clip=0.5).abs().max()) == 0.5
+
+
+def test_slas_through_the_algorithm_and_its_config_errors(hydra_compose):
+    rewards = torch.rand(16, generator=gen(5))
+    for option in ("grpo", "mix_grpo", "flash_grpo", "dance_grpo"):
+        cfg = hydra_compose([f"algo={option}", "algo.slas_gamma=0.5"])
+        algo = build_algorithm(cfg.algo, cfg.sampler, build_sampler(cfg.sampler).sigmas)
+        torch.testing.assert_close(algo.advantages(rewards, 4), slas_advantages(rewards, 4, gamma=0.5))
+        assert "SLAS, gamma=0.5" in algo.describe()
+        plain = build_algorithm(hydra_compose([f"algo={option}"]).algo, cfg.sampler, build_sampler(cfg.sampler).sigmas)
+        assert not torch.equal(plain.advantages(rewards, 4), algo.advantages(rewards, 4))
+    with pytest.raises(ConfigError, match=r"algo\.slas_gamma=-1"):
+        validate(hydra_compose(["algo.slas_gamma=-1"]))
+    with pytest.raises(ConfigError, match=r"algo\.slas_gamma=0\.5 .* reward\.aggregate\.name='taros'"):
+        validate(hydra_compose(["algo.slas_gamma=0.5", "reward=multi", "reward.aggregate.name=taros"]))
+    with pytest.raises(ValueError, match="non-finite rewards"):
+        slas_advantages(torch.tensor([0.0, float("inf")]), 2, gamma=0.5)
+    assert slas_advantages(torch.ones(4), 2, gamma=0.5).tolist() == [0.0] * 4
 
 
 def test_weighted_advantages_normalise_the_weights():

@@ -5,17 +5,21 @@ For a trained transition ``x_s → x_{s+1}`` of row ``i``, the update rescores i
 the same ``samplers.sde_step`` that sampled it (``prev_sample=``), so with unchanged weights the ratio is exactly 1.
 ``L = ppo_clip(log π_θ, log π_old, A_i; w) + β·KL(π_θ ‖ π_ref)`` with the SDE kernel's closed-form Gaussian KL
 (``samplers.sde_kl``), both on the scale of ``logprob_reduction`` (``losses`` explains the scales).
+
+``algo.slas_gamma = γ`` shapes the advantages of any of them super-linearly (SLAS, arXiv 2605.10937:
+:func:`flowgrpo.advantages.slas_advantages`) in place of the group-std normalisation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from samplers import sde_kl, sde_step
 
+from ..advantages import slas_advantages
 from ..config import AlgoConfig, _knob
 from .base import Algorithm, Batch, RolloutPlan, UpdateContext
 from .losses import REDUCTIONS, ppo_clip_loss, reduce_log_prob
@@ -29,6 +33,9 @@ class PolicyGradientConfig(AlgoConfig):
 
     clip_range: float = _knob(1e-4, gt=0)  # PPO epsilon on the per-step ratio (its scale follows logprob_reduction)
     logprob_reduction: str = _knob("mean", choices=REDUCTIONS)  # sum: exact density; mean: per latent element
+    # SLAS (arXiv 2605.10937): advantages sign(u)|u|^(1+gamma), u = (r - group mean)/batch std, rescaled to unit
+    # RMS; replaces the std normalisation (global_std unused). null = off
+    slas_gamma: Optional[float] = _knob(None, ge=0)
 
 
 class PolicyGradient(Algorithm):
@@ -38,6 +45,17 @@ class PolicyGradient(Algorithm):
     """
 
     config_class = PolicyGradientConfig
+
+    def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+        """Phase 4: the group advantages, or with ``algo.slas_gamma`` the SLAS-shaped ones."""
+        if self.cfg.slas_gamma is None:
+            return super().advantages(rewards, group_size)
+        return slas_advantages(rewards, group_size, gamma=self.cfg.slas_gamma, clip=self.cfg.adv_clip)
+
+    def _adv_text(self) -> str:
+        if self.cfg.slas_gamma is None:
+            return super()._adv_text()
+        return f"advantage (SLAS, gamma={self.cfg.slas_gamma:g}: batch std, super-linear, clip ±{self.cfg.adv_clip:g})"
 
     def loss_weights(self, plan: RolloutPlan, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """A float32 weight per trained transition ``(rows[i], steps[i])`` (indices into ``plan``); 1 unless the
