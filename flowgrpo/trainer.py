@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from samplers import chunked_rollout, rollout
+from samplers import chunked_rollout, ragged_rollout
 
 from .advantages import RewardAggregator, advantage_stats, component_group_stats
 from .algorithms import Batch, UpdateContext, build_algorithm
@@ -330,9 +330,12 @@ class Trainer:
     def _sample(self, batch: Batch, iteration: int) -> Batch:
         """Sample the batch's trajectories in chunks of the rollout batch size.
 
-        When a group shares its initial noise (``algo.shared_noise``), its members are identical up to their first
-        SDE step, so that deterministic prefix is integrated once per prompt and then copied to the G members.
-        With ``plan.tail_ratio < 1`` each row ends on its own compressed tail (:meth:`_integrate`).
+        Rows are stepped together (``samplers.ragged_rollout``): one batched velocity call per step over every row
+        still running, each at its own σ. When a group shares its initial noise (``algo.shared_noise``), its
+        members are identical up to their first SDE step, so that deterministic prefix is integrated once per
+        prompt and then copied to the G members. With ``plan.tail_ratio < 1`` each row ends on its own compressed
+        tail: the states up to one after its last SDE step are on the plan's grid, the final sample goes to the last
+        index and the states in between, never visited, are NaN (``RolloutPlan.tail_ratio``).
         """
         t, G = self.cfg.trainer, self.cfg.trainer.group_size
         plan = batch.plan
@@ -343,50 +346,38 @@ class Trainer:
         sde_gens = [_gen(t.seed, _SDE, iteration, int(r)) for r in batch.global_rows]
         if plan.chunked:
             return self._sample_chunked(batch, noise, sde_gens)
-        steps = plan.sigmas.shape[0] - 1
+        steps = plan.num_steps
         latents = torch.empty(n, steps + 1, *noise.shape[1:], dtype=torch.float32, device=noise.device)
         log_probs = torch.zeros(n, steps, dtype=torch.float32, device=noise.device)
         nfe = 0
         chunk = self.batch.rollout_batch_per_process
         if shared:
             chunk = max(G, chunk - chunk % G)  # whole groups per chunk
-        first = plan.first_sde_step()
+        last = plan.last_sde_step() if plan.tail_ratio < 1 else None
+        velocity = self._velocity_fn(None)
         for start in range(0, n, chunk):
             rows = torch.arange(start, min(start + chunk, n))
-            if shared:
-                nfe += self._rollout_shared(batch, rows, noise, first, sde_gens, latents, log_probs)
-            else:
-                nfe += self._integrate(batch, rows, noise[rows], 0, sde_gens, latents, log_probs)
+            # each row on its grid: the plan's, or with a compressed tail (Flash-GRPO) the plan's up to one after
+            # its last SDE step, then its own tail; every step is one batched call over the rows still running
+            grids = [plan.sigmas if last is None else plan.row_sigmas(int(last[r])) for r in rows.tolist()]
+            masks = [plan.sde_mask[r, : g.shape[0] - 1] for r, g in zip(rows.tolist(), grids)]
+            leaders = (torch.arange(len(rows)) // G * G) if shared else None  # a group's ODE prefix once
+            traj = ragged_rollout(lambda x, sigma, sub, rows=rows: velocity(x, sigma, batch.cond[rows[sub.cpu()]]),
+                                  noise[rows], grids, masks, leaders=leaders, kernel=plan.kernel,
+                                  noise_level=plan.noise_level, solver=plan.solver,
+                                  generator=[sde_gens[r] for r in rows.tolist()])
+            nfe += traj.nfe
+            for j, r in enumerate(rows.tolist()):
+                m = int(traj.lengths[j])
+                if m == steps:
+                    latents[r], log_probs[r] = traj.latents[j, : steps + 1], traj.log_probs[j, :steps]
+                else:  # the states up to one after the last SDE step are on the plan's grid; then NaN, the final
+                    l = int(last[r])
+                    latents[r, : l + 2], latents[r, l + 2:steps] = traj.latents[j, : l + 2], float("nan")
+                    latents[r, steps] = traj.final[j]
+                    log_probs[r, : l + 1] = traj.log_probs[j, : l + 1]
         batch.latents, batch.log_probs, batch.nfe = latents, log_probs, nfe
         return batch
-
-    def _integrate(self, batch, rows, x, start, sde_gens, latents, log_probs) -> int:
-        """Integrate ``rows`` from their states ``x`` at step ``start`` to the end, writing ``latents`` and
-        ``log_probs``; returns the NFE spent (sample-steps). Rows share the plan's grid, or with
-        ``plan.tail_ratio < 1`` (Flash-GRPO's compressed tail) rows with the same last SDE step share theirs: the
-        states up to one after that step are on the plan's grid, the final sample goes to the last index and the
-        states in between, never visited, are NaN (``RolloutPlan.tail_ratio``)."""
-        plan = batch.plan
-        steps = plan.num_steps
-        last = plan.last_sde_step()[rows] if plan.tail_ratio < 1 else torch.full((len(rows),), steps - 1)
-        nfe = 0
-        for l in sorted(set(last.tolist())):
-            pick = last == l
-            sel = rows[pick]
-            sigmas = plan.row_sigmas(l)
-            n = sigmas.shape[0] - 1
-            traj = rollout(self._velocity_fn(batch.cond[sel]), x[pick], sigmas[start:], plan.sde_mask[sel, start:n],
-                           kernel=plan.kernel, noise_level=plan.noise_level, solver=plan.solver,
-                           generator=[sde_gens[r] for r in sel.tolist()])
-            nfe += traj.nfe * len(sel)
-            if n == steps:
-                latents[sel, start:], log_probs[sel, start:] = traj.latents, traj.log_probs
-            else:  # the grid is the plan's up to step l + 1, then its own tail
-                latents[sel, start:l + 2] = traj.latents[:, : l + 2 - start]
-                latents[sel, l + 2:steps] = float("nan")
-                latents[sel, steps] = traj.final
-                log_probs[sel, start:l + 1] = traj.log_probs[:, : l + 1 - start]
-        return nfe
 
     def _sample_chunked(self, batch: Batch, noise: torch.Tensor, sde_gens: list[torch.Generator]) -> Batch:
         """A streaming model's rollout (``samplers.chunked_rollout``): block after block, each written into the
@@ -411,36 +402,6 @@ class Trainer:
         batch.chunk_conds = [conds[0][c] if len(conds) == 1 else type(conds[0][c]).cat([part[c] for part in conds])
                              for c in range(plan.num_chunks)]
         return batch
-
-    def _rollout_shared(self, batch, rows, noise, first, sde_gens, latents, log_probs) -> int:
-        """Rows of whole groups sharing noise: ODE prefix once per group, then every member from its first SDE step.
-        Returns the NFE spent (sample-steps)."""
-        G = self.cfg.trainer.group_size
-        plan = batch.plan
-        steps = plan.sigmas.shape[0] - 1
-        nfe = 0
-        leaders = rows[::G]
-        # Members of a group share their first SDE step (the plans give groups one window / one k_p); rows without
-        # any SDE step (first == steps) run a plain ODE rollout from their leader's prefix.
-        for l in sorted(set(first[leaders].tolist())):
-            lead = leaders[first[leaders] == l]
-            members = torch.cat([torch.arange(int(r), int(r) + G) for r in lead])
-            if not torch.all(first[members] == l):
-                raise RuntimeError("a group's members start their SDE steps at different indices; "
-                                   "algo.shared_noise needs the plan to treat a group alike")
-            x = noise[lead]
-            if l > 0:
-                pre = rollout(self._velocity_fn(batch.cond[lead]), x, plan.sigmas[: l + 1], torch.zeros(l, dtype=torch.bool))
-                nfe += pre.nfe * len(lead)
-                prefix = pre.latents.repeat_interleave(G, dim=0)
-                x = pre.final
-            else:
-                prefix = noise[lead].unsqueeze(1).repeat_interleave(G, dim=0)
-            x = x.repeat_interleave(G, dim=0)
-            latents[members, : l + 1] = prefix
-            if l < steps:
-                nfe += self._integrate(batch, members, x, l, sde_gens, latents, log_probs)
-        return nfe
 
     # ------------------------------------------------------------------ 3. score
     @torch.no_grad()

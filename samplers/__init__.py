@@ -1,13 +1,13 @@
 """Flow-matching samplers with exact log-probabilities. Pure torch: imports nothing else of the project.
 
 Public contracts: :func:`flow_sigmas`, :class:`StepOutput`, :func:`sde_step`, :func:`ode_step`,
-:func:`rollout` / :class:`Trajectory`, stateful chunk-by-chunk generation :func:`chunked_rollout`; few-step
+:func:`rollout` / :class:`Trajectory`, rows on grids of their own stepped together :func:`ragged_rollout`, stateful chunk-by-chunk generation :func:`chunked_rollout`; few-step
 block streaming :func:`stream_rollout` (Self-Forcing's sampler, exact re-noise log-probs); plus MixGRPO's
 :class:`SDEWindow` and Flash-GRPO's :func:`flash_plan`.
 """
 
 from .flash import flash_plan, rectification_weights, single_step_mask
-from .rollout import SOLVERS, ChunkedTrajectory, Trajectory, chunked_rollout, rollout
+from .rollout import SOLVERS, ChunkedTrajectory, RaggedTrajectory, Trajectory, chunked_rollout, ragged_rollout, rollout
 from .schedules import flow_sigmas, shift_sigmas, time_shift_exponential
 from .solvers import dpm_solver_2m_step
 from .streaming import StreamTrajectory, renoise_log_prob, stream_noise, stream_rollout, stream_sigmas
@@ -19,7 +19,7 @@ __all__ = [
     "StepOutput", "Trajectory", "ChunkedTrajectory", "SDEWindow",
     "flow_sigmas", "shift_sigmas", "time_shift_exponential",
     "sde_step", "ode_step", "kernel_std", "kernel_lambda", "sde_kl", "randn",
-    "rollout", "chunked_rollout", "dpm_solver_2m_step",
+    "rollout", "chunked_rollout", "ragged_rollout", "RaggedTrajectory", "dpm_solver_2m_step",
     "StreamTrajectory", "stream_sigmas", "stream_noise", "stream_rollout", "renoise_log_prob",
     "compress_tail", "flash_plan", "single_step_mask", "rectification_weights",
 ]

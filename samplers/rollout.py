@@ -11,7 +11,7 @@ import torch
 from .solvers import dpm_solver_2m_step
 from .steps import ode_step, sde_step
 
-__all__ = ["Trajectory", "ChunkedTrajectory", "rollout", "chunked_rollout", "SOLVERS"]
+__all__ = ["Trajectory", "ChunkedTrajectory", "RaggedTrajectory", "rollout", "chunked_rollout", "ragged_rollout", "SOLVERS"]
 
 SOLVERS = ("euler", "dpm++2m")
 VelocityFn = Callable[[torch.Tensor, float], torch.Tensor]
@@ -217,3 +217,143 @@ def chunked_rollout(
             cond = commit_fn(traj.final, cond)
     return ChunkedTrajectory(latents=torch.stack(latents, dim=1), log_probs=torch.stack(log_probs, dim=1),
                              sde_mask=mask, sigmas=sigmas, conds=conds, nfe=chunks * steps)
+
+
+@dataclass
+class RaggedTrajectory:
+    """What :func:`ragged_rollout` records: rows on grids of their own.
+
+    Attributes:
+        latents: ``[B, T+1, ...]`` float32, ``T`` the longest grid's steps; ``latents[b, i]`` is row ``b`` at its
+            ``sigmas[b][i]``; NaN past the end of a shorter grid.
+        log_probs: ``[B, T]`` exact log π of each SDE transition (0 on ODE steps and past a row's end).
+        lengths: ``[B]`` steps of each row's grid.
+        nfe: sample-steps computed (a row copied from its leader costs nothing).
+        calls: ``velocity_fn`` calls (one per step of the longest grid, whatever the rows).
+    """
+
+    latents: torch.Tensor
+    log_probs: torch.Tensor
+    lengths: torch.Tensor
+    nfe: int
+    calls: int
+
+    @property
+    def final(self) -> torch.Tensor:
+        """Each row's last state ``[B, ...]``."""
+        return self.latents[torch.arange(self.latents.shape[0]), self.lengths]
+
+
+@torch.no_grad()
+def ragged_rollout(
+    velocity_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    noise: torch.Tensor,
+    sigmas: Sequence[torch.Tensor],
+    sde_mask: Sequence[torch.Tensor],
+    *,
+    leaders: torch.Tensor | None = None,
+    kernel: str = "flow_grpo",
+    noise_level: float = 0.7,
+    solver: str = "euler",
+    generator: list[torch.Generator] | None = None,
+) -> RaggedTrajectory:
+    """Sample rows whose grids differ, step-synchronously: one ``velocity_fn`` call per step for every row still
+    running, each at its own σ (no grad). Row by row the result is what :func:`rollout` gives on that row's grid
+    and mask with the same velocities and generator (same solver rules: Euler up to a row's last SDE step,
+    DPM-Solver++(2M) after it with ``solver="dpm++2m"``).
+
+    Args:
+        velocity_fn: ``velocity_fn(x, sigma, rows) -> v`` with ``sigma`` ``[b]`` float32 and ``rows`` ``[b]`` the
+            batch rows being evaluated (to pick their conditioning).
+        noise: ``[B, ...]`` initial states at each grid's first σ.
+        sigmas: ``B`` decreasing grids (lengths may differ).
+        sde_mask: ``B`` bool masks, one per grid step.
+        leaders: ``[B]`` optional: row ``b`` equals row ``leaders[b]`` (same noise, conditioning, grid and ODE steps)
+            until its own first SDE step, so only the leader is integrated until then and ``b`` starts from a copy of
+            its state (GRPO groups sharing their initial noise: the deterministic prefix once per group). A leader is
+            its own leader; rows must agree with their leader's grid up to their first SDE step.
+        kernel, noise_level, solver: as :func:`rollout`.
+        generator: one generator per row (SDE draws of a row come from its own generator in step order).
+    """
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown ODE solver {solver!r}; choose one of {SOLVERS}")
+    batch, device = noise.shape[0], noise.device
+    if len(sigmas) != batch or len(sde_mask) != batch:
+        raise ValueError(f"got {len(sigmas)} grids and {len(sde_mask)} masks for a batch of {batch}")
+    if generator is not None and len(generator) != batch:
+        raise ValueError(f"got {len(generator)} generators for a batch of {batch}")
+    grids = [torch.as_tensor(s, dtype=torch.float32).cpu() for s in sigmas]
+    masks = [torch.as_tensor(m, dtype=torch.bool).cpu() for m in sde_mask]
+    lengths = torch.tensor([g.shape[0] - 1 for g in grids])
+    for b, (g, m) in enumerate(zip(grids, masks)):
+        if g.shape[0] < 2 or torch.any(g[1:] >= g[:-1]):
+            raise ValueError(f"row {b}: sigmas must be strictly decreasing with at least two values")
+        if m.shape != (g.shape[0] - 1,):
+            raise ValueError(f"row {b}: sde_mask has {m.shape[0]} steps but its sigmas describe {g.shape[0] - 1}")
+    steps_max = int(lengths.max())
+    sde = torch.zeros(batch, steps_max, dtype=torch.bool)
+    sig = torch.full((batch, steps_max + 1), float("nan"))
+    for b, (g, m) in enumerate(zip(grids, masks)):
+        sde[b, : m.shape[0]], sig[b, : g.shape[0]] = m, g
+    idx = torch.arange(steps_max)
+    first = torch.where(sde, idx, torch.full_like(idx, steps_max)).amin(dim=1).minimum(lengths)
+    last = torch.where(sde, idx, torch.full_like(idx, -1)).amax(dim=1)
+    lead = torch.arange(batch) if leaders is None else torch.as_tensor(leaders, dtype=torch.long).cpu()
+    if lead.shape != (batch,) or torch.any(lead[lead] != lead):
+        raise ValueError("leaders must map each row to a row that is its own leader")
+    for b in (lead != torch.arange(batch)).nonzero().flatten().tolist():
+        k, a = int(first[b]), int(lead[b])
+        if k > lengths[a] or not torch.equal(sig[b, : k + 1], sig[a, : k + 1]) or bool(sde[a, :k].any()) \
+                or not torch.equal(noise[b], noise[a]):
+            raise ValueError(f"row {b} differs from its leader {a} before its first SDE step (noise, grid or an SDE "
+                             "step of the leader): it cannot start from the leader's state")
+
+    x = noise.float().clone()
+    latents = torch.full((batch, steps_max + 1, *noise.shape[1:]), float("nan"), dtype=torch.float32, device=device)
+    latents[:, 0] = x
+    log_probs = torch.zeros(batch, steps_max, dtype=torch.float32, device=device)
+    prev_x0 = torch.zeros_like(x) if solver == "dpm++2m" else None
+    own = lead == torch.arange(batch)
+    nfe = calls = 0
+    for i in range(steps_max):
+        follow = ~own & (i < first) & (i < lengths)  # still a copy of its leader at this step
+        run = (i < lengths) & ~follow
+        rows = run.nonzero().flatten()
+        if rows.numel() == 0:
+            continue
+        s, s_next = sig[rows, i], sig[rows, i + 1]
+        dev_rows = rows.to(device)
+        xr = x[dev_rows]
+        v = velocity_fn(xr, s.to(device), dev_rows).float()
+        nfe, calls = nfe + rows.numel(), calls + 1
+        out = ode_step(v, xr, s.to(device), s_next.to(device)).prev_sample
+        if solver == "dpm++2m":
+            x0 = xr - s.to(device).view(-1, *([1] * (xr.ndim - 1))) * v
+            use = (i > last[rows]).tolist()
+            hist = ((i - 1 > last[rows]) & (i > 0)).tolist()
+            keys: dict[tuple, list[int]] = {}
+            for j, r in enumerate(rows.tolist()):
+                if use[j]:
+                    prev = float(sig[r, i - 1]) if hist[j] else None
+                    keys.setdefault((float(s[j]), float(s_next[j]), prev), []).append(j)
+            for (a, b_, prev), js in keys.items():  # one call per distinct step: the scalar-σ solver, bit for bit
+                js_t = torch.tensor(js, device=device)
+                out[js_t] = dpm_solver_2m_step(xr[js_t], x0[js_t], a, b_,
+                                               prev_x0_pred=None if prev is None else prev_x0[dev_rows[js_t]],
+                                               prev_sigma=prev)
+            prev_x0[dev_rows] = x0
+        noisy = sde[rows, i]
+        if noisy.any():
+            js = noisy.nonzero().flatten()
+            gen = None if generator is None else [generator[int(r)] for r in rows[js].tolist()]
+            step = sde_step(v[js.to(device)], xr[js.to(device)], s[js].to(device), s_next[js].to(device), kernel=kernel,
+                            noise_level=noise_level, generator=gen)
+            out[js.to(device)] = step.prev_sample
+            log_probs[dev_rows[js.to(device)], i] = step.log_prob
+        x[dev_rows] = out
+        latents[dev_rows, i + 1] = out
+        if follow.any():  # copies ride along with their leader
+            f = follow.nonzero().flatten().to(device)
+            x[f] = x[lead[follow].to(device)]
+            latents[f, i + 1] = x[f]
+    return RaggedTrajectory(latents=latents, log_probs=log_probs, lengths=lengths, nfe=nfe, calls=calls)

@@ -16,6 +16,7 @@ from samplers import (
     flow_sigmas,
     kernel_lambda,
     ode_step,
+    ragged_rollout,
     rectification_weights,
     rollout,
     sde_kl,
@@ -395,3 +396,61 @@ def test_per_sample_generators_make_rows_independent_of_batch_split():
         assert torch.equal(sub.latents, whole.latents[part]) and torch.equal(sub.log_probs, whole.log_probs[part])
     with pytest.raises(ValueError, match="generators"):
         rollout(gaussian_velocity, noise, sig, mask, generator=gens(range(3)))
+
+
+def _toy_velocity(offsets):
+    """A velocity with per-row conditioning: v = (0.5 + σ)·x + offset[row] (float32 σ per row)."""
+    def velocity(x, sigma, rows):
+        s = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1, *([1] * (x.ndim - 1)))
+        return (0.5 + s) * x + offsets[rows]
+    return velocity
+
+
+@pytest.mark.parametrize("solver", ["euler", "dpm++2m"])
+def test_ragged_rollout_equals_rollout_row_by_row_and_shares_prefixes(solver):
+    G, T = 4, 10
+    base = samplers.flow_sigmas(T, shift=3.0)
+    k = torch.tensor([0, 3, 1])                                  # one SDE step per group (Flash-GRPO)
+    noise = torch.randn(3, 2, 4, 4, generator=torch.Generator().manual_seed(0)).repeat_interleave(G, 0)
+    offsets = torch.randn(3, 2, 4, 4, generator=torch.Generator().manual_seed(1)).repeat_interleave(G, 0)
+    grids, masks = [], []
+    for p in range(3):
+        for g in range(G):
+            grid = compress_tail(base, int(k[p]), 0.4) if g % 2 else base   # compressed tail on half the rows
+            mask = torch.zeros(grid.shape[0] - 1, dtype=torch.bool)
+            mask[k[p]] = True
+            grids.append(grid)
+            masks.append(mask)
+    velocity = _toy_velocity(offsets)
+    gens = lambda: [torch.Generator().manual_seed(100 + r) for r in range(3 * G)]  # noqa: E731
+    leaders = torch.arange(3 * G) // G * G
+    for lead in (None, leaders):
+        traj = ragged_rollout(velocity, noise, grids, masks, leaders=lead, solver=solver, generator=gens())
+        ref_gens = gens()
+        for r in range(3 * G):
+            rows = torch.tensor([r])
+            ref = rollout(lambda x, s: velocity(x, torch.full((1,), s), rows), noise[rows], grids[r], masks[r],
+                          solver=solver, generator=[ref_gens[r]])
+            n = grids[r].shape[0] - 1
+            assert int(traj.lengths[r]) == n
+            assert torch.equal(traj.latents[r, : n + 1], ref.latents[0]), (lead is None, r)
+            assert torch.equal(traj.log_probs[r, :n], ref.log_probs[0])
+            assert torch.isnan(traj.latents[r, n + 1:]).all() and torch.equal(traj.final[r], ref.final[0])
+        longest = max(g.shape[0] - 1 for g in grids)
+        assert traj.calls == longest
+        full = sum(g.shape[0] - 1 for g in grids)
+        # a shared group runs its prefix before k_p once instead of G times
+        assert traj.nfe == (full if lead is None else full - (G - 1) * int(k.sum()))
+
+
+def test_ragged_rollout_rejects_rows_that_cannot_follow_their_leader():
+    base = samplers.flow_sigmas(6)
+    masks = [torch.tensor([False, False, True, False, False, False])] * 2
+    noise = torch.randn(2, 3)
+    velocity = _toy_velocity(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="row 1 differs from its leader 0"):
+        ragged_rollout(velocity, noise, [base, base], masks, leaders=torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="leaders must map"):
+        ragged_rollout(velocity, noise, [base, base], masks, leaders=torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="row 0: sde_mask has 6 steps but its sigmas describe 3"):
+        ragged_rollout(velocity, noise, [base[:4], base], masks)

@@ -122,9 +122,10 @@ def test_shared_noise_computes_the_ode_prefix_once_per_prompt(tmp_path):
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_flash_grpo_compressed_tail_per_prompt(tmp_path, shared):
-    """algo.compress_ratio: every row is integrated on the plan's grid up to one step after its k_p (bit for bit
-    the full-grid rollout with the same generators), then on its own compressed tail, which ends in exactly the
-    sample a direct rollout on that grid gives; the unvisited states are NaN; the NFE counts what ran."""
+    """algo.compress_ratio: every row is integrated on the plan's grid up to one step after its k_p (the full-grid
+    rollout with the same generators, up to the float rounding of a batch whose other rows differ), then on its own
+    compressed tail, which ends in the sample a direct rollout on that grid gives; the unvisited states are NaN;
+    the NFE counts what ran; the stored transitions rescore to a ratio of 1."""
     from samplers import compress_tail, rollout
 
     T, P, G = 10, 3, 2
@@ -140,7 +141,9 @@ def test_flash_grpo_compressed_tail_per_prompt(tmp_path, shared):
     nfe = 0
     for r in range(P * G):
         l = int(k[r])
-        assert torch.equal(b.latents[r, : l + 2], a.latents[r, : l + 2]) and torch.equal(b.log_probs[r], a.log_probs[r])
+        torch.testing.assert_close(b.latents[r, : l + 2], a.latents[r, : l + 2], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b.log_probs[r], a.log_probs[r], atol=1e-3, rtol=1e-5)
+        assert torch.equal(b.log_probs[r] != 0, a.log_probs[r] != 0)  # the same SDE step
         grid = compress_tail(a.plan.sigmas, l, 0.4)
         m = grid.shape[0] - 1 - (l + 1)
         assert torch.isnan(b.latents[r, l + 2: T]).all() == (m < T - 1 - l) and torch.isfinite(b.latents[r, T]).all()
@@ -149,8 +152,9 @@ def test_flash_grpo_compressed_tail_per_prompt(tmp_path, shared):
         torch.testing.assert_close(b.latents[r, T], end.final[0], atol=1e-5, rtol=1e-5)
         nfe += l + 1 + m if not shared or r % G == 0 else 1 + m  # shared noise: the prefix once per prompt
     assert b.nfe == nfe < a.nfe
+    # Rescored in other batches than they were sampled in: equal to float rounding (log-prob summed over the latent).
     ratio = torch.exp(recompute_log_probs(tail, b)[b.plan.train_mask] - b.log_probs[b.plan.train_mask])
-    assert torch.equal(ratio, torch.ones_like(ratio))
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-3, rtol=0)
 
 
 def test_resume_gives_the_same_next_iteration_as_running_on(tmp_path):
