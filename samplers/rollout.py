@@ -228,7 +228,7 @@ class RaggedTrajectory:
             ``sigmas[b][i]``; NaN past the end of a shorter grid.
         log_probs: ``[B, T]`` exact log π of each SDE transition (0 on ODE steps and past a row's end).
         lengths: ``[B]`` steps of each row's grid.
-        nfe: sample-steps computed (a row copied from its leader costs nothing).
+        nfe: sample-steps evaluated (a row copied from its leader, or borrowing its velocity, costs nothing).
         calls: ``velocity_fn`` calls (one per step of the longest grid, whatever the rows).
     """
 
@@ -269,9 +269,10 @@ def ragged_rollout(
         sigmas: ``B`` decreasing grids (lengths may differ).
         sde_mask: ``B`` bool masks, one per grid step.
         leaders: ``[B]`` optional: row ``b`` equals row ``leaders[b]`` (same noise, conditioning, grid and ODE steps)
-            until its own first SDE step, so only the leader is integrated until then and ``b`` starts from a copy of
-            its state (GRPO groups sharing their initial noise: the deterministic prefix once per group). A leader is
-            its own leader; rows must agree with their leader's grid up to their first SDE step.
+            until its own first SDE step ``k``, so only the leader is integrated until then, and at ``k`` row ``b``
+            takes its own SDE step from the leader's state and velocity (GRPO groups sharing their initial noise: the
+            deterministic prefix and the first SDE step's velocity once per group). A leader is its own leader; rows
+            must agree with their leader's grid up to ``σ_{k+1}``.
         kernel, noise_level, solver: as :func:`rollout`.
         generator: one generator per row (SDE draws of a row come from its own generator in step order).
     """
@@ -303,7 +304,8 @@ def ragged_rollout(
         raise ValueError("leaders must map each row to a row that is its own leader")
     for b in (lead != torch.arange(batch)).nonzero().flatten().tolist():
         k, a = int(first[b]), int(lead[b])
-        if k > lengths[a] or not torch.equal(sig[b, : k + 1], sig[a, : k + 1]) or bool(sde[a, :k].any()) \
+        stop = k + 1 if k == lengths[b] else k + 2  # the grid up to the first SDE step's target σ
+        if stop > lengths[a] + 1 or not torch.equal(sig[b, :stop], sig[a, :stop]) or bool(sde[a, :k].any()) \
                 or not torch.equal(noise[b], noise[a]):
             raise ValueError(f"row {b} differs from its leader {a} before its first SDE step (noise, grid or an SDE "
                              "step of the leader): it cannot start from the leader's state")
@@ -316,16 +318,28 @@ def ragged_rollout(
     own = lead == torch.arange(batch)
     nfe = calls = 0
     for i in range(steps_max):
-        follow = ~own & (i < first) & (i < lengths)  # still a copy of its leader at this step
-        run = (i < lengths) & ~follow
+        alive = i < lengths
+        follow = ~own & (i < first) & alive  # still a copy of its leader at this step
+        borrow = ~own & (i == first) & alive  # its own SDE step from the leader's state: the leader's velocity
+        run = alive & ~follow
         rows = run.nonzero().flatten()
         if rows.numel() == 0:
             continue
         s, s_next = sig[rows, i], sig[rows, i + 1]
         dev_rows = rows.to(device)
         xr = x[dev_rows]
-        v = velocity_fn(xr, s.to(device), dev_rows).float()
-        nfe, calls = nfe + rows.numel(), calls + 1
+        evaluate = ~borrow[rows]
+        at = torch.full((batch,), -1, dtype=torch.long)
+        at[rows] = torch.arange(rows.numel())
+        computed = velocity_fn(xr[evaluate.to(device)], s[evaluate].to(device), dev_rows[evaluate.to(device)]).float()
+        v = computed.new_empty(xr.shape)
+        v[evaluate.to(device)] = computed
+        if borrow.any():
+            owners = at[lead[rows[~evaluate]]]
+            if torch.any(owners < 0) or not bool(evaluate[owners].all()):
+                raise RuntimeError(f"step {i}: a row's leader is not evaluated at the row's first SDE step")
+            v[(~evaluate).to(device)] = v[owners.to(device)]
+        nfe, calls = nfe + int(evaluate.sum()), calls + 1
         out = ode_step(v, xr, s.to(device), s_next.to(device)).prev_sample
         if solver == "dpm++2m":
             x0 = xr - s.to(device).view(-1, *([1] * (xr.ndim - 1))) * v

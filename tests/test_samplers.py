@@ -439,8 +439,8 @@ def test_ragged_rollout_equals_rollout_row_by_row_and_shares_prefixes(solver):
         longest = max(g.shape[0] - 1 for g in grids)
         assert traj.calls == longest
         full = sum(g.shape[0] - 1 for g in grids)
-        # a shared group runs its prefix before k_p once instead of G times
-        assert traj.nfe == (full if lead is None else full - (G - 1) * int(k.sum()))
+        # a shared group runs its prefix before k_p and the velocity at k_p once instead of G times
+        assert traj.nfe == (full if lead is None else full - (G - 1) * int((k + 1).sum()))
 
 
 def test_ragged_rollout_rejects_rows_that_cannot_follow_their_leader():

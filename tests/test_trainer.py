@@ -102,13 +102,14 @@ def test_update_changes_every_lora_parameter_and_no_base_parameter(tmp_path):
 
 
 def test_shared_noise_computes_the_ode_prefix_once_per_prompt(tmp_path):
-    # window at steps 3-4 of 6: the 3 prefix steps run once per prompt, not once per group member
+    # window at steps 3-4 of 6: the 3 prefix steps and the velocity of the first window step run once per prompt,
+    # not once per group member
     cfg = make_cfg(tmp_path, "algo=mix_grpo", "sampler=mix_sde", "algo.window.size=2", "algo.window.start=3",
                    "algo.shared_noise=true", "trainer.group_size=4", "trainer.train_batch_size=8")
     trainer = Trainer(cfg, tmp_path)
     batch = trainer.rollout(trainer.plan(0), 0)
     P, G, T, prefix = 2, 4, 6, 3
-    assert batch.nfe == P * prefix + P * G * (T - prefix)  # instead of P·G·T
+    assert batch.nfe == P * (prefix + 1) + P * G * (T - prefix - 1)  # instead of P·G·T
     groups = batch.latents.view(P, G, *batch.latents.shape[1:])
     assert torch.equal(groups[:, :1, : prefix + 1].expand_as(groups[:, :, : prefix + 1]), groups[:, :, : prefix + 1])
     assert not torch.equal(groups[:, 0, prefix + 1], groups[:, 1, prefix + 1])  # members diverge in the window
@@ -150,7 +151,7 @@ def test_flash_grpo_compressed_tail_per_prompt(tmp_path, shared):
         end = rollout(tail._velocity_fn(b.cond[[r]]), a.latents[r, l + 1: l + 2], grid[l + 1:], torch.zeros(m, dtype=torch.bool),
                       solver="dpm++2m")
         torch.testing.assert_close(b.latents[r, T], end.final[0], atol=1e-5, rtol=1e-5)
-        nfe += l + 1 + m if not shared or r % G == 0 else 1 + m  # shared noise: the prefix once per prompt
+        nfe += l + 1 + m if not shared or r % G == 0 else m  # shared noise: the prefix and k_p's velocity once per prompt
     assert b.nfe == nfe < a.nfe
     # Rescored in other batches than they were sampled in: equal to float rounding (log-prob summed over the latent).
     ratio = torch.exp(recompute_log_probs(tail, b)[b.plan.train_mask] - b.log_probs[b.plan.train_mask])
