@@ -260,14 +260,15 @@ def bench_pipeline(overrides: list[str], repeats: int, out_dir: Path) -> dict:
             pipe(prompts, num_inference_steps=steps, guidance_scale=guidance, output_type="latent",
                  generator=torch.Generator(trainer.device).manual_seed(0), **call_kwargs)
 
-    def run_ours():
-        from samplers import rollout
+    def run_ours():  # the trainer's rollout engine (samplers.ragged_rollout), every row on the pipeline's grid
+        from samplers import ragged_rollout
 
         with torch.no_grad():
             cond = trainer._encode(prompts)
             noise = trainer.adapter.prepare_noise(batch, generator=torch.Generator(trainer.device).manual_seed(0), **size)
-            sigmas = trainer.sampler.sigmas
-            rollout(trainer._velocity_fn(cond), noise, sigmas, torch.zeros(steps, dtype=torch.bool))
+            sigmas, velocity = trainer.sampler.sigmas, trainer._velocity_fn(None)
+            ragged_rollout(lambda x, sigma, rows: velocity(x, sigma, cond[rows.cpu()]), noise, [sigmas] * batch,
+                           [torch.zeros(steps, dtype=torch.bool)] * batch)
 
     runs = {"pipeline": run_pipe, "rollout": run_ours}
     samples = {name: [] for name in runs}
