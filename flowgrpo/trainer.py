@@ -367,6 +367,7 @@ class Trainer:
                                   noise_level=plan.noise_level, solver=plan.solver,
                                   generator=[sde_gens[r] for r in rows.tolist()])
             nfe += traj.nfe
+            final = traj.final  # gathered once: the property indexes the whole chunk
             for j, r in enumerate(rows.tolist()):
                 m = int(traj.lengths[j])
                 if m == steps:
@@ -374,7 +375,7 @@ class Trainer:
                 else:  # the states up to one after the last SDE step are on the plan's grid; then NaN, the final
                     l = int(last[r])
                     latents[r, : l + 2], latents[r, l + 2:steps] = traj.latents[j, : l + 2], float("nan")
-                    latents[r, steps] = traj.final[j]
+                    latents[r, steps] = final[j]
                     log_probs[r, : l + 1] = traj.log_probs[j, : l + 1]
         batch.latents, batch.log_probs, batch.nfe = latents, log_probs, nfe
         return batch
