@@ -345,10 +345,16 @@ class Trainer:
         noise = self._noise(len(group_ids), group_ids, G, shared, (t.seed, _NOISE, iteration))
         sde_gens = [_gen(t.seed, _SDE, iteration, int(r)) for r in batch.global_rows]
         if plan.chunked:
+            if self.algorithm.records_means:
+                raise ValueError(f"algo={self.algorithm.name} records each SDE step's mean, which the streaming "
+                                 "rollout does not: choose an algorithm for a streaming model")
             return self._sample_chunked(batch, noise, sde_gens)
         steps = plan.num_steps
         latents = torch.empty(n, steps + 1, *noise.shape[1:], dtype=torch.float32, device=noise.device)
         log_probs = torch.zeros(n, steps, dtype=torch.float32, device=noise.device)
+        record = bool(self.algorithm.records_means)
+        means = (torch.full((n, steps, *noise.shape[1:]), float("nan"), dtype=torch.float32, device=noise.device)
+                 if record else None)
         nfe = 0
         chunk = self.batch.rollout_batch_per_process
         if shared:
@@ -365,19 +371,23 @@ class Trainer:
             traj = ragged_rollout(lambda x, sigma, sub, rows=rows: velocity(x, sigma, batch.cond[rows[sub.cpu()]]),
                                   noise[rows], grids, masks, leaders=leaders, kernel=plan.kernel,
                                   noise_level=plan.noise_level, solver=plan.solver,
-                                  generator=[sde_gens[r] for r in rows.tolist()])
+                                  generator=[sde_gens[r] for r in rows.tolist()], record_means=record)
             nfe += traj.nfe
             final = traj.final  # gathered once: the property indexes the whole chunk
             for j, r in enumerate(rows.tolist()):
                 m = int(traj.lengths[j])
                 if m == steps:
                     latents[r], log_probs[r] = traj.latents[j, : steps + 1], traj.log_probs[j, :steps]
+                    if record:
+                        means[r] = traj.means[j, :steps]
                 else:  # the states up to one after the last SDE step are on the plan's grid; then NaN, the final
                     l = int(last[r])
                     latents[r, : l + 2], latents[r, l + 2:steps] = traj.latents[j, : l + 2], float("nan")
                     latents[r, steps] = final[j]
                     log_probs[r, : l + 1] = traj.log_probs[j, : l + 1]
-        batch.latents, batch.log_probs, batch.nfe = latents, log_probs, nfe
+                    if record:
+                        means[r, : l + 1] = traj.means[j, : l + 1]
+        batch.latents, batch.log_probs, batch.means, batch.nfe = latents, log_probs, means, nfe
         return batch
 
     def _sample_chunked(self, batch: Batch, noise: torch.Tensor, sde_gens: list[torch.Generator]) -> Batch:

@@ -230,6 +230,8 @@ class RaggedTrajectory:
         lengths: ``[B]`` steps of each row's grid.
         nfe: sample-steps evaluated (a row copied from its leader, or borrowing its velocity, costs nothing).
         calls: ``velocity_fn`` calls (one per step of the longest grid, whatever the rows).
+        means: with ``record_means``, ``[B, T, ...]`` float32: the mean ``μ`` of each SDE transition's Gaussian
+            (``x' = μ + s·z``; what the sampling policy predicted), NaN on ODE steps; else ``None``.
     """
 
     latents: torch.Tensor
@@ -237,6 +239,7 @@ class RaggedTrajectory:
     lengths: torch.Tensor
     nfe: int
     calls: int
+    means: torch.Tensor | None = None
 
     @property
     def final(self) -> torch.Tensor:
@@ -256,6 +259,7 @@ def ragged_rollout(
     noise_level: float = 0.7,
     solver: str = "euler",
     generator: list[torch.Generator] | None = None,
+    record_means: bool = False,
 ) -> RaggedTrajectory:
     """Sample rows whose grids differ, step-synchronously: one ``velocity_fn`` call per step for every row still
     running, each at its own σ (no grad). Row by row the result is what :func:`rollout` gives on that row's grid
@@ -275,6 +279,8 @@ def ragged_rollout(
             must agree with their leader's grid up to ``σ_{k+1}``.
         kernel, noise_level, solver: as :func:`rollout`.
         generator: one generator per row (SDE draws of a row come from its own generator in step order).
+        record_means: also keep each SDE transition's mean (:attr:`RaggedTrajectory.means`; as much memory as the
+            states), for updates that compare the trained policy's mean with the sampling policy's.
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown ODE solver {solver!r}; choose one of {SOLVERS}")
@@ -314,6 +320,8 @@ def ragged_rollout(
     latents = torch.full((batch, steps_max + 1, *noise.shape[1:]), float("nan"), dtype=torch.float32, device=device)
     latents[:, 0] = x
     log_probs = torch.zeros(batch, steps_max, dtype=torch.float32, device=device)
+    means = (torch.full((batch, steps_max, *noise.shape[1:]), float("nan"), dtype=torch.float32, device=device)
+             if record_means else None)
     prev_x0 = torch.zeros_like(x) if solver == "dpm++2m" else None
     own = lead == torch.arange(batch)
     nfe = calls = 0
@@ -364,10 +372,12 @@ def ragged_rollout(
                             noise_level=noise_level, generator=gen)
             out[js.to(device)] = step.prev_sample
             log_probs[dev_rows[js.to(device)], i] = step.log_prob
+            if means is not None:
+                means[dev_rows[js.to(device)], i] = step.mean
         x[dev_rows] = out
         latents[dev_rows, i + 1] = out
         if follow.any():  # copies ride along with their leader
             f = follow.nonzero().flatten().to(device)
             x[f] = x[lead[follow].to(device)]
             latents[f, i + 1] = x[f]
-    return RaggedTrajectory(latents=latents, log_probs=log_probs, lengths=lengths, nfe=nfe, calls=calls)
+    return RaggedTrajectory(latents=latents, log_probs=log_probs, lengths=lengths, nfe=nfe, calls=calls, means=means)

@@ -183,6 +183,9 @@ class Batch:
     plan: RolloutPlan                  # rows of this process
     latents: torch.Tensor | None = None             # [n, T'+1, ...] every state ([n, C, T'+1, ...] with chunks)
     log_probs: torch.Tensor | None = None           # [n, T'] exact log π_old of each SDE step ([n, C, T']); 0 on ODE
+    means: torch.Tensor | None = None               # [n, T', ...] each SDE step's Gaussian mean under the sampling
+                                                    # policy, NaN on ODE steps; only for an algorithm that
+                                                    # ``records_means`` (GRPO-Guard), else None
     chunk_conds: list[Any] | None = None            # with chunks: chunk c's conditioning (text + the state written
                                                     # by the chunks before it), per row: what rescoring needs
     images: torch.Tensor | None = None
@@ -264,6 +267,8 @@ class Algorithm:
     config_class: ClassVar[type] = AlgoConfig
     #: trains a streaming model (``model.family=causal_wan``): its plans have a chunk axis, one chunk per block
     streaming: ClassVar[bool] = False
+    #: its update reads the sampling policy's mean of every SDE step (``Batch.means``), which the rollout then keeps
+    records_means: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

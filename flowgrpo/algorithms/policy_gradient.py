@@ -63,6 +63,16 @@ class PolicyGradient(Algorithm):
         rows, steps = self._check_transitions(plan, rows, steps)
         return torch.ones(rows.shape, dtype=torch.float32)
 
+    def ratio_terms(self, batch: Batch, step, rows: torch.Tensor,
+                    steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(log π_θ, log π_old, w)`` of the trained transitions ``(rows, steps)`` (flat step indices) for the
+        PPO ratio ``exp(log π_θ − log π_old)``, on the scale of ``algo.logprob_reduction``; ``step`` is their rescoring
+        with the current weights (``samplers.sde_step``'s output). GRPO-Guard replaces the ratio here."""
+        numel = step.mean[0].numel()
+        log_prob = reduce_log_prob(step.log_prob, numel, self.cfg.logprob_reduction)
+        old = reduce_log_prob(batch.log_probs.flatten(1)[rows, steps], numel, self.cfg.logprob_reduction)
+        return log_prob, old, self.loss_weights(batch.plan, rows, steps)
+
     def _transition(self, ctx: UpdateContext, batch: Batch, rows: torch.Tensor, steps: torch.Tensor):
         """Rescore the stored transitions ``(rows, steps)`` with the current weights. With a chunk axis
         (streaming), chunk ``c``'s transitions are rescored under the conditioning it was generated under
@@ -110,10 +120,9 @@ class PolicyGradient(Algorithm):
         flat = torch.as_tensor(steps, dtype=torch.long).cpu()
         step, v, (x, sigma, sigma_next, cond, rows, steps, chunks) = self._transition(ctx, batch, rows, steps)
         numel = x[0].numel()
-        log_prob = reduce_log_prob(step.log_prob, numel, cfg.logprob_reduction)
-        old = reduce_log_prob(batch.log_probs.flatten(1)[rows, flat], numel, cfg.logprob_reduction)
-        weights = self.loss_weights(batch.plan, rows, flat).to(x.device)
-        loss, info = ppo_clip_loss(log_prob, old, batch.advantages[rows], clip_range=cfg.clip_range, weights=weights)
+        log_prob, old, weights = self.ratio_terms(batch, step, rows, flat)
+        loss, info = ppo_clip_loss(log_prob, old, batch.advantages[rows], clip_range=cfg.clip_range,
+                                   weights=weights.to(x.device))
         if cfg.kl_beta > 0:
             with torch.no_grad(), ctx.reference():
                 v_ref = (ctx.velocity(x, sigma, cond) if cond is not None
