@@ -39,6 +39,9 @@ ALGORITHMS = {
     "flash_grpo_fast": ["algo=flash_grpo", "sampler=mix_sde", "sampler.solver=dpm++2m", "algo.shared_noise=true",
                         "algo.compress_ratio=0.4"],
     "diffusion_nft": ["algo=diffusion_nft"],  # ODE rollouts; 9 of 10 noise levels trained per sample
+    # Flow-GRPO's rollout and trained steps with GRPO-Guard's update (every step trained, as the flow_grpo row)
+    "grpo_guard": ["algo=grpo_guard", "sampler=sde", "algo.timestep_fraction=1"],
+    "awm": ["algo=awm"],  # ODE rollouts; 6 stratified noise levels trained per sample
     # MixGRPO with its window frozen at the last position (start = T − w, set in bench_algorithm): the shared-noise
     # ODE prefix is longest there, so this row shows what computing it once per prompt saves
     "mix_grpo_late": ["algo=mix_grpo", "sampler=mix_sde", "algo.window.schedule=frozen"],

@@ -38,6 +38,7 @@ from bench_iteration import ALGORITHMS, compose, pool_results, scoped  # noqa: E
 RECIPES = {name: overrides for name, overrides in ALGORITHMS.items() if name != "mix_grpo_late"}
 RECIPES["flow_grpo"] = ["algo=grpo", "sampler=sde", "algo.timestep_fraction=0.3", "algo.timestep_selection=first"]
 RECIPES["dance_grpo"] = ["algo=dance_grpo", "sampler=dance"]  # = experiment=dance_grpo_shapes's algorithm and sampler
+RECIPES["grpo_guard"] = ["algo=grpo_guard", "sampler=sde", *RECIPES["flow_grpo"][2:]]  # = experiment=grpo_guard_shapes
 TRAINING = list(RECIPES)
 
 

@@ -99,6 +99,8 @@ def test_bench_time_to_reward_writes_curves_per_seed(tmp_path):
     # denominator); time to reward runs Flow-GRPO's embedded recipe (the noisiest 3 of 10: experiment=flow_grpo_shapes)
     assert bench.compose(bench.ALGORITHMS["flow_grpo"]).algo.timestep_fraction == 1.0
     assert bench.compose(bench.RECIPES["flow_grpo"]).algo.timestep_fraction == 0.3
+    guard = bench.compose(bench.RECIPES["grpo_guard"]).algo  # experiment=grpo_guard_shapes's algorithm
+    assert (guard.name, guard.timestep_fraction, guard.timestep_selection) == ("grpo_guard", 0.3, "first")
     def row(reached, seconds):
         return bench.summarise([{"reached": r, "seconds": seconds, "iterations": 5} for r in reached], 3)
 
