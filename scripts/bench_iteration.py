@@ -42,6 +42,8 @@ ALGORITHMS = {
     # Flow-GRPO's rollout and trained steps with GRPO-Guard's update (every step trained, as the flow_grpo row)
     "grpo_guard": ["algo=grpo_guard", "sampler=sde", "algo.timestep_fraction=1"],
     "awm": ["algo=awm"],  # ODE rollouts; 6 stratified noise levels trained per sample
+    # DanceGRPO's rollout and steps with pairwise win-rate advantages and the normalised ratio
+    "pref_grpo": ["algo=pref_grpo", "sampler=dance"],
     # MixGRPO with its window frozen at the last position (start = T − w, set in bench_algorithm): the shared-noise
     # ODE prefix is longest there, so this row shows what computing it once per prompt saves
     "mix_grpo_late": ["algo=mix_grpo", "sampler=mix_sde", "algo.window.schedule=frozen"],
