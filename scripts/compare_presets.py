@@ -8,7 +8,8 @@ r"""Experiment presets side by side over seeds, at each preset's own budget: JSO
 Each run is ``python train.py experiment=<arm> trainer.seed=<seed> [--set ...]``, one after the other so that their
 clocks do not share the CPU. Every run's directory is kept under ``--runs`` as ``<arm>_seed<seed>``; a run already
 finished there is read back instead of run again, so an interrupted comparison resumes where it stopped, and the
-JSON is rewritten after every run.
+JSON is rewritten after every run. A run stopped part-way (SIGTERM: its ``summary.json`` says ``stopped``; or killed
+after a checkpoint) continues from its newest checkpoint when the command is run again.
 
 Reported per arm: mean ± std over seeds of each ``--metrics`` held-out value at the last evaluation, its change
 from iteration 0, the value at every evaluation, and the wall clock of a run (evaluations included).
@@ -29,21 +30,33 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run(arm: str, seed: int, runs: Path, extra: list[str], metrics: list[str]) -> dict:
     out = runs / f"{arm}_seed{seed}"
-    summary = out / "summary.json"
-    if not summary.is_file():
+    summary, clock = out / "summary.json", out / "wall_clock.json"
+    if not _finished(summary):
+        # a run stopped part-way (SIGTERM, a crash) continues from its newest checkpoint, its clock from where it was
+        resume = (out / "checkpoints" / "latest").is_file()
+        spent = json.loads(clock.read_text())["seconds"] if resume and clock.is_file() else 0.0
         start = time.time()
         cmd = [sys.executable, str(REPO / "train.py"), f"experiment={arm}", f"trainer.seed={seed}",
-               f"hydra.run.dir={out}", *extra]
-        with open(runs / f"{arm}_seed{seed}.log", "w") as log:
+               f"hydra.run.dir={out}", *extra, *([f"trainer.resume={out}"] if resume else [])]
+        with open(runs / f"{arm}_seed{seed}.log", "a" if resume else "w") as log:
             proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        out.mkdir(parents=True, exist_ok=True)
+        clock.write_text(json.dumps({"seconds": spent + time.time() - start}))
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed (exit {proc.returncode}); see {runs / f'{arm}_seed{seed}.log'}")
-        (out / "wall_clock.json").write_text(json.dumps({"seconds": time.time() - start}))
+        if not _finished(summary):
+            raise SystemExit(f"{out} stopped before its last iteration ({json.loads(summary.read_text())['stopped']}); "
+                             "run the same command again to continue it from its checkpoint")
     evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
              if line.strip() and any(k.startswith("eval/") for k in json.loads(line))]
     seconds = json.loads((out / "wall_clock.json").read_text())["seconds"]
     return {"arm": arm, "seed": seed, "seconds": round(seconds, 1), "dir": str(out),
             "evals": [{"iteration": e["iteration"], **{m: e.get(m) for m in metrics}} for e in evals]}
+
+
+def _finished(summary: Path) -> bool:
+    """A run is done when its ``summary.json`` exists and does not say it stopped early."""
+    return summary.is_file() and json.loads(summary.read_text()).get("stopped") is None
 
 
 def summarise(results: list[dict], metrics: list[str]) -> dict:

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -265,3 +266,43 @@ def test_compare_presets_reads_finished_runs_and_reports_mean_std_and_curves(tmp
     with pytest.raises(SystemExit, match="eval/partial"):
         compare.main(["--arms", "a", "--seeds", "0", "--runs", str(runs), "--out", str(tmp_path / "x"),
                       "--metrics", "eval/strict", "--columns", "eval/partial=partial"])
+
+
+def test_compare_presets_continues_a_stopped_run_from_its_checkpoint(tmp_path, monkeypatch):
+    """A run whose summary says it stopped early (SIGTERM) is run again with ``trainer.resume=<its dir>``, its wall
+    clock adding to the time already spent; a finished run is not run again; a run that stops again ends the
+    comparison with the command to continue."""
+    compare = load_script("compare_presets")
+    runs = tmp_path / "runs"
+    d = runs / "a_seed0"
+    (d / "checkpoints").mkdir(parents=True)
+    (d / "checkpoints" / "latest").write_text("checkpoint-000050")
+    (d / "summary.json").write_text(json.dumps({"stopped": "stop requested; finished the iteration"}))
+    (d / "wall_clock.json").write_text(json.dumps({"seconds": 100.0}))
+    rows = [{"iteration": 0, "eval/strict": 0.2}, {"iteration": 100, "eval/strict": 0.4}]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd)
+        (d / "summary.json").write_text(json.dumps({"stopped": None}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(compare.subprocess, "run", fake_run)
+    report = compare.main(["--arms", "a", "--seeds", "0", "--runs", str(runs), "--out", str(tmp_path / "cmp"),
+                           "--metrics", "eval/strict"])
+    assert len(calls) == 1 and f"trainer.resume={d}" in calls[0] and "experiment=a" in calls[0]
+    assert report["runs"][0]["seconds"] >= 100.0
+    compare.main(["--arms", "a", "--seeds", "0", "--runs", str(runs), "--out", str(tmp_path / "cmp"),
+                  "--metrics", "eval/strict"])
+    assert len(calls) == 1  # finished: read back
+
+    def stops_again(cmd, **kwargs):
+        (d / "summary.json").write_text(json.dumps({"stopped": "stop requested; finished the iteration"}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    (d / "summary.json").write_text(json.dumps({"stopped": "killed"}))
+    monkeypatch.setattr(compare.subprocess, "run", stops_again)
+    with pytest.raises(SystemExit, match="run the same command again"):
+        compare.main(["--arms", "a", "--seeds", "0", "--runs", str(runs), "--out", str(tmp_path / "cmp"),
+                      "--metrics", "eval/strict"])
