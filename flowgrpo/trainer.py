@@ -189,6 +189,11 @@ class Trainer:
         chunks = self.adapter.num_chunks(cfg.model.num_frames) if self.chunked else 1
         self.algorithm = build_algorithm(cfg.algo, cfg.sampler, self.sampler.sigmas, chunks=chunks)
         self.batch = batch_plan(cfg, self.world, trained_steps=self.algorithm.trained_steps())
+        G = cfg.trainer.group_size
+        if self.algorithm.group_steps and self.batch.train_micro_batch % G:
+            raise ValueError(f"algo={self.algorithm.name} trains whole groups per micro-batch: the per-process micro-batch "
+                             f"(trainer.train_batch_size={cfg.trainer.train_batch_size} / {self.world} processes = "
+                             f"{self.batch.train_micro_batch}) must be a multiple of trainer.group_size={G}")
         self.policy = TrainerContext(self)
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
                                            weight_decay=t.weight_decay)
@@ -446,11 +451,13 @@ class Trainer:
     # ------------------------------------------------------------------ 5. update
     def transitions(self, batch: Batch, iteration: int, epoch: int) -> torch.Tensor:
         """``[n, K]`` trained step indices per row (the plan's ``train_mask``), each row's order shuffled by its own
-        seeded generator: the order the update visits them in."""
+        seeded generator: the order the update visits them in. For an algorithm with ``group_steps`` the generator
+        is the group's, so the members of a group (which train the same steps) visit them together."""
         mask = batch.plan.train_mask.flatten(1)  # a chunk axis: steps are flat indices c·T' + i
         steps = torch.stack([row.nonzero().squeeze(1) for row in mask]) if len(mask) else torch.zeros(0, 0, dtype=torch.long)
+        keys = batch.global_rows // batch.plan.group_size if self.algorithm.group_steps else batch.global_rows
         order = torch.stack([torch.randperm(steps.shape[1], generator=_gen(self.cfg.trainer.seed, _ORDER, iteration, epoch, int(r)))
-                             for r in batch.global_rows])
+                             for r in keys])
         return torch.gather(steps, 1, order)
 
     def update(self, batch: Batch, iteration: int) -> dict[str, float]:

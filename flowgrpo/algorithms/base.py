@@ -269,6 +269,9 @@ class Algorithm:
     streaming: ClassVar[bool] = False
     #: its update reads the sampling policy's mean of every SDE step (``Batch.means``), which the rollout then keeps
     records_means: ClassVar[bool] = False
+    #: its loss couples the members of a group at one trained step (DGPO): the trainer then visits every member's
+    #: trained steps in the same order and each training micro-batch holds whole groups
+    group_steps: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
