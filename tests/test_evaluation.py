@@ -149,11 +149,14 @@ def _two_process_eval(out):
     import json
 
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     from flowgrpo.trainer import Trainer
 
     torch.set_num_threads(1)
+    AcceleratorState._reset_state(reset_partial_state=True)  # a fork inherits the parent's (1-process) state
     acc = Accelerator(cpu=True)
+    assert acc.num_processes == 2
     result = Trainer(_held_out(out), out, accelerator=acc).evaluate()
     if acc.is_main_process:
         (out / "eval.json").write_text(json.dumps(result))

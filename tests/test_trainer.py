@@ -226,9 +226,13 @@ def _brightness(images, prompts, metadata=None):
 
 def _two_process_worker(tmp_path):
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     torch.set_num_threads(1)
+    # a fork inherits the parent's accelerate state (one process, if the parent built an Accelerator): start afresh
+    AcceleratorState._reset_state(reset_partial_state=True)
     acc = Accelerator(cpu=True)
+    assert acc.num_processes == 2
     trainer = Trainer(make_cfg(tmp_path / "two", *ALGOS["flash_grpo"]), tmp_path / "two", accelerator=acc)
     trainer.reward = _brightness
     history = [trainer.step() for _ in range(2)]
