@@ -264,14 +264,15 @@ def _read_prompts(path: Path, fmt: str, prompt_key: str, key_name: str) -> Promp
 
 def prompt_pools(prompts: PromptSet, sampling: str) -> list[list[int]]:
     """Index pools the trainer draws prompts from: one pool of everything (``data.sampling=uniform``), or one
-    pool per metadata ``tag`` in first-seen order (``tag_balanced``: each tag equally often, whatever its size).
+    pool per metadata ``tag`` in first-seen order (``tag_balanced``: each tag equally often, whatever its size;
+    ``cgpo``: the curriculum's categories).
 
     Raises:
-        ValueError: naming ``data.sampling`` when ``tag_balanced`` meets prompts without a ``tag`` field.
+        ValueError: naming ``data.sampling`` when ``tag_balanced`` / ``cgpo`` meets prompts without a ``tag`` field.
     """
     if sampling == "uniform":
         return [list(range(len(prompts)))]
-    _require_tags(prompts, "data.sampling=tag_balanced", "; use data.sampling=uniform")
+    _require_tags(prompts, f"data.sampling={sampling}", "; use data.sampling=uniform")
     pools: dict[str, list[int]] = {}
     for i, m in enumerate(prompts.metadata):
         pools.setdefault(str(m["tag"]), []).append(i)

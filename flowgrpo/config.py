@@ -197,6 +197,17 @@ class RewardConfig:
 
 
 @dataclass
+class CurriculumConfig:
+    """CGPO's prompt curriculum (``data.sampling=cgpo``; ``flowgrpo.curriculum``); defaults are the authors' constants."""
+
+    lam: float = _knob(10.0, ge=0)  # category weight 1 + lam * v_c (v_c: the category's share of 1/mean reward)
+    variance_cap: float = _knob(0.6, gt=0)  # cap on a prompt's group reward variance before the min-max map
+    floor: float = _knob(0.1, gt=0, le=1)  # least probability of a prompt
+    history: int = _knob(2, ge=0)  # earlier raw probabilities a prompt's is averaged with
+    ema: float = _knob(0.5, gt=0, le=1)  # weight of a new category weight against the old one
+
+
+@dataclass
 class DataConfig:
     """Prompt sets (``conf/data/``): GenEval-style JSONL (prompt + metadata) or a plain text list."""
 
@@ -207,7 +218,9 @@ class DataConfig:
     prompt_key: str = "prompt"  # JSONL field holding the prompt text
     max_prompts: Optional[int] = _knob(None, ge=1)  # keep only the first N training prompts (debugging)
     train_tags: Optional[List[str]] = None  # keep only training prompts with these metadata tags; held-out untouched
-    sampling: str = _knob("uniform", choices=("uniform", "tag_balanced"))  # tag_balanced: tag first, then a prompt of it
+    # tag_balanced: a tag first, then a prompt of it; cgpo: CGPO's curriculum from earlier rewards (data.curriculum.*)
+    sampling: str = _knob("uniform", choices=("uniform", "tag_balanced", "cgpo"))
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)  # data.sampling=cgpo's constants
 
 
 # -------------------------------------------------------------------------------------------- logger

@@ -40,6 +40,7 @@ from .build import (batch_plan, build_adapter, build_sampler, check_output_dir, 
                     prompt_pools)
 from .checkpoint import (CheckpointManager, GracefulStop, atomic_write_text, capture_rng_state, find_runs,
                          restore_rng_state, save_lora_weights)
+from .curriculum import CGPOCurriculum
 from .evaluation import EvalSamples, held_out_jobs, score_jobs
 from .evaluation import seeded_generator as _gen
 from .finetune import (EMA, frozen_reference, gathers_state, load_optimizer_state, load_trainable_state,
@@ -217,6 +218,11 @@ class Trainer:
                                                global_std=cfg.algo.global_std, clip=cfg.algo.adv_clip)
         self.train_set, self.test_set = checked.train_set, checked.test_set
         self.prompt_pools = prompt_pools(self.train_set, cfg.data.sampling)
+        self.curriculum = None
+        if cfg.data.sampling == "cgpo":  # CGPO's curriculum over the GenEval tags (flowgrpo.curriculum)
+            c = cfg.data.curriculum
+            self.curriculum = CGPOCurriculum([m["tag"] for m in self.train_set.metadata], lam=c.lam,
+                                             variance_cap=c.variance_cap, floor=c.floor, history=c.history, ema=c.ema)
 
         # Bookkeeping.
         self.iteration = 0
@@ -306,7 +312,9 @@ class Trainer:
         t, G = self.cfg.trainer, self.cfg.trainer.group_size
         N = t.prompts_per_iteration
         gen = _gen(t.seed, _PROMPTS, iteration)
-        if len(self.prompt_pools) == 1:  # uniform over the training prompts
+        if self.curriculum is not None:  # data.sampling=cgpo: from the tables earlier iterations left
+            idx = self.curriculum.draw(N, gen)
+        elif len(self.prompt_pools) == 1:  # uniform over the training prompts
             idx = torch.randint(0, len(self.train_set), (N,), generator=gen).tolist()
         else:  # data.sampling=tag_balanced: a tag uniformly, then a prompt of that tag uniformly
             tags = torch.randint(0, len(self.prompt_pools), (N,), generator=gen).tolist()
@@ -320,7 +328,8 @@ class Trainer:
         prompts = [p for p in local.prompts for _ in range(G)]
         metadata = None if local.metadata is None else [m for m in local.metadata for _ in range(G)]
         cond = self._encode(local.prompts, local.metadata).repeat_interleave(G)
-        return Batch(prompts=prompts, metadata=metadata, global_rows=rows, cond=cond, plan=plan.subset(rows))
+        return Batch(prompts=prompts, metadata=metadata, global_rows=rows, cond=cond, plan=plan.subset(rows),
+                     extras={"prompt_ids": idx})
 
     # ------------------------------------------------------------------ 2. rollout
     def rollout(self, batch: Batch, iteration: int) -> Batch:
@@ -443,6 +452,10 @@ class Trainer:
             comps = {k: self.acc.gather(batch.components[k].contiguous()) for k in self.aggregator.weights}
             adv = self.aggregator(comps, self.cfg.trainer.group_size).to(rewards.device)
         n = len(batch.prompts)
+        if self.curriculum is not None:  # the same gathered rewards on every process: the same tables everywhere
+            N, G = self.cfg.trainer.prompts_per_iteration, self.cfg.trainer.group_size
+            order = [p for k in range(self.world) for p in range(k, N, self.world)]  # prompts in gathered order
+            self.curriculum.update([batch.extras["prompt_ids"][p] for p in order], rewards.view(N, G))
         batch.advantages = adv[self.rank * n : (self.rank + 1) * n].to(self.device)
         batch.global_rewards = rewards
         batch.global_advantages = adv
@@ -606,6 +619,7 @@ class Trainer:
             "ema": None if self.ema is None else self.ema.state_dict(),
             "algorithm": self.algorithm.state_dict(),
             "aggregator": None if self.aggregator is None else self.aggregator.state_dict(),
+            "curriculum": None if self.curriculum is None else self.curriculum.state_dict(),
             "rng": capture_rng_state(),
             "history": self.history,
             "evals": self.evals,
@@ -622,6 +636,7 @@ class Trainer:
             "lr_scheduler": copy.deepcopy(self.lr_scheduler.state_dict()),
             "algorithm": _cpu_copy(self.algorithm.state_dict()),
             "aggregator": None if self.aggregator is None else _cpu_copy(self.aggregator.state_dict()),
+            "curriculum": None if self.curriculum is None else _cpu_copy(self.curriculum.state_dict()),
             "rng": capture_rng_state(),
             "history": list(self.history),
             "evals": list(self.evals),
@@ -674,6 +689,10 @@ class Trainer:
                 raise ValueError("the checkpoint has no reward-aggregator state but this run sets "
                                  f"reward.aggregate.name={self.aggregator.name!r}")
             self.aggregator.load_state_dict(state["aggregator"])
+        if self.curriculum is not None:
+            if state.get("curriculum") is None:
+                raise ValueError("the checkpoint has no CGPO curriculum state but this run sets data.sampling=cgpo")
+            self.curriculum.load_state_dict(state["curriculum"])
         restore_rng_state(state["rng"])
         self.iteration = state["iteration"]
         self.updates = state["updates"]
@@ -816,6 +835,8 @@ class Trainer:
                                                               self.cfg.trainer.group_size).items()})
         if self.aggregator is not None:
             out.update({f"{self.aggregator.name}/{k}": v for k, v in self.aggregator.diagnostics().items()})
+        if self.curriculum is not None:
+            out.update({f"curriculum/{k}": v for k, v in self.curriculum.diagnostics().items()})
         out.update(train)
         out.update(timings)
         out["time/iteration"] = sum(timings.values())
