@@ -110,6 +110,18 @@ class TrainerContext(UpdateContext):
     def generator(self, *keys: int) -> torch.Generator:
         return _gen(self._trainer.cfg.trainer.seed, _ALGO, self.iteration, self.epoch, *keys)
 
+    def stored_weights(self, path: str) -> list[torch.Tensor]:
+        t = self._trainer
+        if gathers_state(t.acc):
+            raise NotImplementedError("weights of another run are read into unsharded parameters only (no FSDP)")
+        where, state = t.ckpt.load_intact(t.ckpt.resume_candidates(path))
+        saved = state["trainable"]
+        names = [n for n, p in t.unwrapped.named_parameters() if p.requires_grad]
+        if set(names) != saved.keys():
+            raise ValueError(f"{where} does not hold this run's trainable parameters (another model, model.lora or "
+                             "model.finetune?)")
+        return [saved[n].to(device=p.device, dtype=p.dtype) for n, p in zip(names, t.params)]
+
     def _stream(self):
         adapter = self._trainer.adapter
         if not getattr(adapter, "chunked", False):

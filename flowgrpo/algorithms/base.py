@@ -226,6 +226,12 @@ class UpdateContext:
         and a step): the same draws on any number of processes and after a resume."""
         raise NotImplementedError
 
+    def stored_weights(self, path: str) -> list[torch.Tensor]:
+        """The trainable parameters saved by an earlier run of the same model set-up, in :attr:`params` order: ``path``
+        is a run directory, a checkpoint root or a checkpoint directory (its newest intact checkpoint). For policies an
+        algorithm uses beside the trained one (Flow-OPD's teachers); swap them in as :class:`OldPolicy` does."""
+        raise NotImplementedError
+
     # A streaming (stateful, chunk-by-chunk) model also offers these; an algorithm with its own rollout uses them.
 
     def commit(self, x0: torch.Tensor, cond: Any) -> Any:

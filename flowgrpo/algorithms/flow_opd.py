@@ -1,0 +1,214 @@
+"""Flow-OPD (arXiv 2605.08063): on-policy distillation of several single-reward teachers into one student.
+
+Stage 1 trains one teacher per reward with plain GRPO (``python train.py reward=geneval ...``, ``reward=jpeg...``): each
+run's checkpoint is a teacher. Stage 2, this algorithm: the student samples Flow-GRPO trajectories (every step an SDE
+step), each prompt is routed to a teacher, and the teacher's Gaussian transition from the same state gives a dense
+per-step reward, the negative reverse KL
+
+    KL_t = KL(π_θ(·|x_t) ‖ π_T(·|x_t)) = ‖μ_θ − μ_T‖² / (2 s²)      (student and teacher share the kernel's std s)
+    A_t  = clip(kl_scale · KL_t  [+ task_weight · A_group], ±adv_clip)         kl_scale = −1: the reward is −KL
+    L    = mean( max(−A_t·ρ, −A_t·clip(ρ, 1 ± ε)) ) + mar_beta · KL(π_θ ‖ π_MAR)
+
+with Flow-GRPO's per-step ratio ``ρ`` and PPO clip. The last term, MAR (the paper's manifold regulariser), keeps the
+student near a task-agnostic policy on all data: the reference (LoRA disabled) unless ``algo.mar`` names a checkpoint.
+The KL is the exact closed form (``samplers.sde_kl``), on the scale of ``algo.logprob_reduction`` (per latent element
+by default). The authors' code drops the step's ``|Δσ|`` from it (so its values are ``KL/|Δσ|``) and keeps the KL's
+gradient in the advantage; here ``A_t`` is detached (``algo.detach_kl``), as the paper says it must be — with it
+attached, the gradient gains a direct ``−kl_scale·ρ·∇KL_t`` pull towards the teacher (the GKD objective).
+
+Routing (``algo.routing``): ``alternate``, the authors' multi-task loop — each iteration distils one teacher, cycling
+through ``algo.schedule`` (teacher names; repeat a name to give it more iterations; empty = each teacher once, in
+``algo.teachers`` order); ``metadata`` — each prompt's teacher is its metadata field ``algo.route_key``.
+``algo.task_weight > 0`` adds the group advantage of the task reward (the authors' "mixed" mode).
+
+Defaults are the authors' (``CostaliyA/Flow-OPD``, ``mix_opd_8gpu``): Flow-GRPO's kernel on every step, 9 of 10 steps
+trained, ``clip_range 1e-4``, ``kl_scale −1``, ``adv_clip 5``, MAR weight 0.04 against the base model, and their
+best cold start (``algo.cold_start``): before the first rollout the student's trainable weights become the average of
+the teachers' (each tensor averaged, as their LoRA merge); a resumed run keeps its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+
+from samplers import sde_kl
+
+from ..config import _knob
+from .base import Batch, UpdateContext
+from .grpo import GRPO, GRPOConfig
+from .losses import ppo_clip_loss, reduce_log_prob
+from .old_policy import OldPolicy
+
+__all__ = ["FlowOPDConfig", "FlowOPD"]
+
+ROUTINGS = ("alternate", "metadata")
+
+
+@dataclass
+class FlowOPDConfig(GRPOConfig):
+    """``algo=flow_opd``: the authors' defaults; ``algo.teachers`` must name at least one teacher checkpoint."""
+
+    kl_beta: float = _knob(0.0, ge=0)  # Flow-GRPO's KL to the reference is replaced by MAR (mar_beta)
+    timestep_fraction: float = _knob(0.9, gt=0, le=1)  # 9 of 10 SDE steps trained (the authors' int(10 * 0.99))
+    timestep_selection: str = _knob("first", choices=("random", "first"))  # the first ones, as Flow-GRPO's trainer
+    teachers: Dict[str, str] = field(default_factory=dict)  # name -> a teacher run's dir / checkpoint (same model)
+    routing: str = _knob("alternate", choices=ROUTINGS)  # alternate: one teacher per iteration; metadata: per prompt
+    schedule: List[str] = field(default_factory=list)  # alternate: teacher names cycled per iteration; [] = each once
+    route_key: str = "task"  # metadata: the prompt metadata field naming its teacher
+    kl_scale: float = -1.0  # A_t = kl_scale * KL_t (negative: the reward is -KL)
+    task_weight: float = _knob(0.0, ge=0)  # > 0: add the task reward's group advantage (the authors' mixed mode)
+    detach_kl: bool = True  # the dense reward carries no gradient (the paper); false: the authors' code
+    mar_beta: float = _knob(0.04, ge=0)  # weight of KL(pi_theta || pi_MAR) on all data
+    mar: Optional[str] = None  # checkpoint of the MAR policy; null = the reference (LoRA disabled)
+    cold_start: bool = True  # start the student at the average of the teachers' trainable weights
+
+
+class FlowOPD(GRPO):
+    """Flow-OPD's distillation stage. See the module docstring.
+
+    Args:
+        base_sigmas: ``[T+1]`` schedule.
+        **kwargs: the sampler's kernel / noise level / solver and fields of :class:`FlowOPDConfig`.
+    """
+
+    name = "flow_opd"
+    config_class = FlowOPDConfig
+
+    def __init__(self, base_sigmas: torch.Tensor, **kwargs) -> None:
+        super().__init__(base_sigmas, **kwargs)
+        cfg = self.cfg
+        if not cfg.teachers:
+            raise ValueError("algo=flow_opd needs algo.teachers={name: checkpoint} (runs trained on one reward each)")
+        unknown = [s for s in cfg.schedule if s not in cfg.teachers]
+        if unknown:
+            raise ValueError(f"algo.schedule names {unknown}, which algo.teachers does not have "
+                             f"({', '.join(cfg.teachers)})")
+        self.schedule = list(cfg.schedule) or list(cfg.teachers)
+        self.policies = {name: OldPolicy() for name in cfg.teachers}  # loaded on first use
+        self.mar = OldPolicy() if cfg.mar else None
+        self.plans = 0  # plans made: the alternate routing's position
+        self.started = False  # the cold start is done (or not asked for)
+
+    @classmethod
+    def check_config(cls, algo_cfg, sampler_cfg) -> list[str]:
+        errors = []
+        if not algo_cfg.teachers:
+            errors.append("algo.teachers is empty: name at least one teacher checkpoint (algo.teachers.NAME=PATH)")
+        paths = {f"algo.teachers.{k}": v for k, v in dict(algo_cfg.teachers).items()}
+        if algo_cfg.mar:
+            paths["algo.mar"] = algo_cfg.mar
+        errors += [f"{key}={path}: no such run or checkpoint" for key, path in paths.items() if not Path(path).exists()]
+        return errors
+
+    # ------------------------------------------------------------------------------------------ phases
+
+    def plan(self, num_prompts: int, group_size: int, *, generator: torch.Generator | None = None):
+        plan = super().plan(num_prompts, group_size, generator=generator)
+        if self.cfg.routing == "alternate":
+            plan.info["teacher"] = self.schedule[self.plans % len(self.schedule)]
+        self.plans += 1
+        return plan
+
+    @contextlib.contextmanager
+    def sampling_policy(self, ctx: UpdateContext) -> Iterator[None]:
+        """Before the first rollout, the cold start (``algo.cold_start``): the teachers' average becomes the student."""
+        if self.cfg.cold_start and not self.started:
+            teachers = [ctx.stored_weights(path) for path in self.cfg.teachers.values()]
+            with torch.no_grad():
+                for i, p in enumerate(ctx.params):
+                    p.copy_(torch.stack([t[i] for t in teachers]).mean(dim=0))
+        self.started = True
+        yield
+
+    def teacher_of(self, batch: Batch, rows: torch.Tensor) -> list[str]:
+        """The teacher of each row."""
+        if self.cfg.routing == "alternate":
+            return [batch.plan.info["teacher"]] * len(rows)
+        key = self.cfg.route_key
+        if batch.metadata is None or any(key not in batch.metadata[r] for r in rows.tolist()):
+            raise KeyError(f"algo.routing=metadata needs the prompt metadata field algo.route_key={key!r}")
+        names = [str(batch.metadata[r][key]) for r in rows.tolist()]
+        unknown = sorted(set(names) - set(self.cfg.teachers))
+        if unknown:
+            raise KeyError(f"prompts routed to {unknown} (metadata {key!r}), which algo.teachers does not have")
+        return names
+
+    @contextlib.contextmanager
+    def _swapped(self, ctx: UpdateContext, policy: OldPolicy, path: str) -> Iterator[None]:
+        if policy.weights is None:
+            policy.weights = [w.clone() for w in ctx.stored_weights(path)]
+        with policy.swapped_in(ctx.params):
+            yield
+
+    def loss(self, ctx: UpdateContext, batch: Batch, rows: torch.Tensor,
+             steps: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        cfg = self.cfg
+        plan = batch.plan
+        if plan.chunked:
+            raise ValueError("algo=flow_opd trains a model that generates in one chunk")
+        flat = torch.as_tensor(steps, dtype=torch.long).cpu()
+        rows, steps = self._check_transitions(plan, rows, flat)
+        x = batch.latents[rows, steps]
+        sigma, sigma_next = plan.sigmas[steps].to(x.device), plan.sigmas[steps + 1].to(x.device)
+        cond = batch.cond[rows]
+        # the teachers' and the MAR policy's velocities first (no grad): swapping weights in changes the parameters
+        names = self.teacher_of(batch, rows)
+        v_teacher = None
+        with torch.no_grad():
+            for name in dict.fromkeys(names):
+                sel = torch.tensor([n == name for n in names])
+                with self._swapped(ctx, self.policies[name], cfg.teachers[name]):
+                    part = ctx.velocity(x[sel], sigma[sel], batch.cond[rows[sel]])
+                v_teacher = part.new_empty(x.shape) if v_teacher is None else v_teacher
+                v_teacher[sel.to(x.device)] = part
+            if cfg.mar_beta > 0:
+                with (self._swapped(ctx, self.mar, cfg.mar) if self.mar is not None else ctx.reference()):
+                    v_mar = ctx.velocity(x, sigma, cond)
+        step, v, _ = self._transition(ctx, batch, rows, steps)
+        numel = x[0].numel()
+        kind = dict(kernel=plan.kernel, noise_level=plan.noise_level)
+        kl = reduce_log_prob(sde_kl(v, v_teacher, sigma, sigma_next, **kind), numel, cfg.logprob_reduction)
+        adv = cfg.kl_scale * (kl.detach() if cfg.detach_kl else kl)
+        if cfg.task_weight > 0:
+            adv = adv + cfg.task_weight * batch.advantages[rows].to(adv.device)
+        adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
+        log_prob, old, weights = self.ratio_terms(batch, step, rows, flat)
+        loss, info = _ppo(log_prob, old, adv, cfg.clip_range, weights.to(x.device), detached=cfg.detach_kl)
+        info["teacher_kl"] = kl.detach().mean()
+        if cfg.mar_beta > 0:
+            mar = reduce_log_prob(sde_kl(v, v_mar, sigma, sigma_next, **kind), numel, cfg.logprob_reduction).mean()
+            loss = loss + cfg.mar_beta * mar
+            info["mar_kl"] = mar.detach()
+        return loss, info
+
+    def state_dict(self) -> dict:
+        return {"plans": self.plans, "started": self.started}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.plans = int(state.get("plans", 0))
+        self.started = bool(state.get("started", True))
+
+    def describe(self) -> str:
+        cfg = self.cfg
+        route = (f"one teacher per iteration ({', '.join(self.schedule)})" if cfg.routing == "alternate"
+                 else f"teacher by prompt metadata {cfg.route_key!r}")
+        tail = super().describe().split(": ", 1)[1]
+        return (f"flow_opd (Flow-OPD): reward {cfg.kl_scale:g} x KL to the teacher per step, {route}; MAR weight "
+                f"{cfg.mar_beta:g} ({'checkpoint' if cfg.mar else 'the reference'}); {tail}")
+
+
+def _ppo(log_prob, old, adv, clip_range, weights, *, detached: bool):
+    """PPO-clip with per-transition advantages; with an attached advantage the product keeps its gradient."""
+    if detached:
+        return ppo_clip_loss(log_prob, old, adv, clip_range=clip_range, weights=weights)
+    ratio = torch.exp(log_prob.float() - old.detach().float())
+    per = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range))
+    _, info = ppo_clip_loss(log_prob.detach(), old, adv.detach(), clip_range=clip_range, weights=weights)
+    loss = (weights * per).mean()
+    info["policy_loss"] = loss.detach()
+    return loss, info
