@@ -7,7 +7,8 @@ block streaming :func:`stream_rollout` (Self-Forcing's sampler, exact re-noise l
 """
 
 from .flash import flash_plan, rectification_weights, single_step_mask
-from .rollout import SOLVERS, ChunkedTrajectory, RaggedTrajectory, Trajectory, chunked_rollout, ragged_rollout, rollout
+from .rollout import (SOLVERS, ChunkedTrajectory, RaggedTrajectory, Trajectory, chunked_rollout, ragged_rollout, rollout,
+                      sde_bounds)
 from .schedules import flow_sigmas, shift_sigmas, time_shift_exponential
 from .solvers import dpm_solver_2m_step
 from .streaming import StreamTrajectory, renoise_log_prob, stream_noise, stream_rollout, stream_sigmas
@@ -19,7 +20,7 @@ __all__ = [
     "StepOutput", "Trajectory", "ChunkedTrajectory", "SDEWindow",
     "flow_sigmas", "shift_sigmas", "time_shift_exponential",
     "sde_step", "ode_step", "kernel_std", "kernel_lambda", "sde_kl", "randn",
-    "rollout", "chunked_rollout", "ragged_rollout", "RaggedTrajectory", "dpm_solver_2m_step",
+    "rollout", "chunked_rollout", "ragged_rollout", "RaggedTrajectory", "sde_bounds", "dpm_solver_2m_step",
     "StreamTrajectory", "stream_sigmas", "stream_noise", "stream_rollout", "renoise_log_prob",
     "compress_tail", "flash_plan", "single_step_mask", "rectification_weights",
 ]

@@ -11,10 +11,23 @@ import torch
 from .solvers import dpm_solver_2m_step
 from .steps import ode_step, sde_step
 
-__all__ = ["Trajectory", "ChunkedTrajectory", "RaggedTrajectory", "rollout", "chunked_rollout", "ragged_rollout", "SOLVERS"]
+__all__ = ["Trajectory", "ChunkedTrajectory", "RaggedTrajectory", "rollout", "chunked_rollout", "ragged_rollout", "SOLVERS",
+           "sde_bounds"]
 
 SOLVERS = ("euler", "dpm++2m")
 VelocityFn = Callable[[torch.Tensor, float], torch.Tensor]
+
+
+def sde_bounds(sde_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first, last)``: per row of a bool ``[B, T]`` mask, the index of its first SDE step (``T`` when it has none)
+    and of its last (``−1`` when none). The solver rules hang on them: every row is deterministic before ``first``
+    (groups sharing their noise share that prefix) and DPM-Solver++ runs only after ``last``."""
+    mask = torch.as_tensor(sde_mask, dtype=torch.bool)
+    steps = mask.shape[-1]
+    idx = torch.arange(steps, device=mask.device)
+    first = torch.where(mask, idx, torch.full_like(idx, steps)).amin(dim=-1)
+    last = torch.where(mask, idx, torch.full_like(idx, -1)).amax(dim=-1)
+    return first, last
 
 
 @dataclass
@@ -90,8 +103,7 @@ def rollout(
         raise ValueError(f"got {len(generator)} generators for a batch of {batch}")
     mask = _normalise_mask(sde_mask, batch, steps, device)
     steps_idx = torch.arange(steps, device=device)
-    # Index of each sample's last SDE step (−1 when none): DPM-Solver++ runs only after it.
-    last_sde = torch.where(mask, steps_idx, torch.full_like(steps_idx, -1)).amax(dim=1)
+    last_sde = sde_bounds(mask)[1]  # DPM-Solver++ runs only after a row's last SDE step
 
     x = noise.float()
     latents = [x]
@@ -302,9 +314,8 @@ def ragged_rollout(
     sig = torch.full((batch, steps_max + 1), float("nan"))
     for b, (g, m) in enumerate(zip(grids, masks)):
         sde[b, : m.shape[0]], sig[b, : g.shape[0]] = m, g
-    idx = torch.arange(steps_max)
-    first = torch.where(sde, idx, torch.full_like(idx, steps_max)).amin(dim=1).minimum(lengths)
-    last = torch.where(sde, idx, torch.full_like(idx, -1)).amax(dim=1)
+    first, last = sde_bounds(sde)
+    first = first.minimum(lengths)
     lead = torch.arange(batch) if leaders is None else torch.as_tensor(leaders, dtype=torch.long).cpu()
     if lead.shape != (batch,) or torch.any(lead[lead] != lead):
         raise ValueError("leaders must map each row to a row that is its own leader")

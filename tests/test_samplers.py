@@ -454,3 +454,11 @@ def test_ragged_rollout_rejects_rows_that_cannot_follow_their_leader():
         ragged_rollout(velocity, noise, [base, base], masks, leaders=torch.tensor([1, 0]))
     with pytest.raises(ValueError, match="row 0: sde_mask has 6 steps but its sigmas describe 3"):
         ragged_rollout(velocity, noise, [base[:4], base], masks)
+
+
+def test_sde_bounds_first_and_last_stochastic_step_per_row():
+    from samplers import sde_bounds
+
+    mask = torch.tensor([[False, True, True, False], [False] * 4, [True, False, False, True]])
+    first, last = sde_bounds(mask)
+    assert first.tolist() == [1, 4, 0] and last.tolist() == [2, -1, 3]

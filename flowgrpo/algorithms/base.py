@@ -30,7 +30,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from samplers import KERNELS, SOLVERS, compress_tail
+from samplers import KERNELS, SOLVERS, compress_tail, sde_bounds
 
 from ..advantages import group_advantages
 from ..config import AlgoConfig
@@ -133,16 +133,13 @@ class RolloutPlan:
         (:meth:`shared_prefix`) and branches the group there."""
         if self.num_chunks > 1:
             raise ValueError("a chunked plan has no shared deterministic prefix (each chunk starts from its own noise)")
-        steps = self.num_steps
-        first = self.sde_mask.to(torch.uint8).argmax(dim=1)
-        return torch.where(self.sde_mask.any(dim=1), first, torch.full_like(first, steps))
+        return sde_bounds(self.sde_mask)[0]
 
     def last_sde_step(self) -> torch.Tensor:
         """``LongTensor[N]``: each row's last SDE step (−1 when none)."""
         if self.num_chunks > 1:
             raise ValueError("a chunked plan has no per-row tail (each chunk is integrated on the full grid)")
-        idx = torch.arange(self.num_steps)
-        return torch.where(self.sde_mask, idx, torch.full_like(idx, -1)).amax(dim=1)
+        return sde_bounds(self.sde_mask)[1]
 
     def row_sigmas(self, last_sde: int) -> torch.Tensor:
         """The grid a row whose last SDE step is ``last_sde`` integrates: ``sigmas``, or with ``tail_ratio < 1``
