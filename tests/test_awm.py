@@ -82,6 +82,7 @@ def test_stratified_levels_one_per_stratum_and_the_plan_is_an_ode():
     assert not plan.sde_mask.any() and plan.train_mask.sum(1).tolist() == [6] * 12 == [algo.trained_steps()[0]] * 12
     assert not plan.train_mask[:, 0].any() and not plan.train_mask[:, 9].any()  # σ = 1 and past int(10·0.9)
     assert algo.global_std and algo.weighting == "ghuber" and algo.kl_beta == 0.001 and algo.ema_kl_beta == 1.0
+    assert not algo.cfg_in_training  # the flow-matching loss is the conditional velocity's
 
 
 def test_ghuber_gradient_is_sigma_times_the_power_of_the_error():

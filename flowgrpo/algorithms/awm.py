@@ -27,6 +27,12 @@ grid, σ = 1 skipped, ``ghuber`` with ``p = 0.25``, ``kl_beta 0.001``, ``ema_kl_
 with the batch std, clipped at ±5 and scaled to ±1. Departure: the strata are drawn per sample rather than once per
 micro-batch (the same expectation, less correlated across samples). The authors' SA-Solver rollout with a noise
 window is not reproduced: the rollout is the sampler's ODE.
+
+Guidance. The authors sample and train without classifier-free guidance. With a model that samples with guidance
+(``model.guidance_scale`` > 1) the rollout keeps it, and the loss fits the *conditional* velocity
+(``algo.cfg_in_training=false``, the default): flow matching is the conditional velocity's objective, and fitting the
+guided velocity to ``ε − x₀`` instead pulls it back towards the unguided data distribution (on the embedded world
+that run did not learn at all: held-out strict 0.227 → 0.223 after 50 iterations, against 0.43 after 25 without).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class AWMConfig(AlgoConfig):
     """``algo=awm``: the authors' SD3 GenEval defaults."""
 
     global_std: bool = True  # (r - mean_prompt) / std over the whole batch, as the authors' global_std
+    cfg_in_training: bool = False  # fit the conditional velocity (the authors train without CFG); rollouts keep CFG
     kl_beta: float = _knob(0.001, ge=0)  # weight of mean (v_theta - v_ref)^2, the reference = LoRA disabled
     ema_kl_beta: float = _knob(1.0, ge=0)  # weight of mean (v_theta - v_ema)^2 (the trust region)
     ema_kl_decay: float = _knob(0.3, ge=0, le=0.999)  # cap of the EMA decay d = min(cap, 0.001 u)
