@@ -45,6 +45,8 @@ ALGORITHMS = {
     # DanceGRPO's rollout and steps with pairwise win-rate advantages and the normalised ratio
     "pref_grpo": ["algo=pref_grpo", "sampler=dance"],
     "dgpo": ["algo=dgpo"],  # ODE rollouts; 4 of the first 5 noise levels, whole groups per micro-batch
+    # (algo=flow_opd is not a row: it distils teacher runs, which a fresh checkout does not have; per iteration it
+    # costs Flow-GRPO's update plus one teacher and one MAR forward per trained step)
     # MixGRPO with its window frozen at the last position (start = T − w, set in bench_algorithm): the shared-noise
     # ODE prefix is longest there, so this row shows what computing it once per prompt saves
     "mix_grpo_late": ["algo=mix_grpo", "sampler=mix_sde", "algo.window.schedule=frozen"],
