@@ -23,3 +23,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+
+@pytest.fixture
+def flowgrpo_caplog(caplog):
+    """``caplog`` that sees the ``flowgrpo`` logger's records. That logger does not propagate to the root logger
+    (where ``caplog`` listens) once ``flowgrpo.runlog`` is imported — any trainer test imports it at collection —
+    and an in-process Hydra run turns propagation back on; so a test of what ``flowgrpo`` logs turns it on itself."""
+    import logging
+
+    log = logging.getLogger("flowgrpo")
+    saved = log.propagate
+    log.propagate = True
+    yield caplog
+    log.propagate = saved

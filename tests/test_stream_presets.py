@@ -178,17 +178,18 @@ def test_preset_loads_its_twin_and_streams_from_the_command(name, files, tmp_pat
     assert sheet.width > 32 and sheet.height > 2 * 32  # two labelled segment rows of 32-pixel frames
 
 
-def test_a_streaming_model_directory_loads_with_a_null_checkpoint(files, tmp_path, caplog):
+def test_a_streaming_model_directory_loads_with_a_null_checkpoint(files, tmp_path, flowgrpo_caplog):
     name = "longlive_wan"
     converted = load_stream_pipeline(validate(_compose([f"model={name}", *paths(name, files), *SMALL]).model))
     converted.config = dataclasses.replace(converted.config, recache=False)  # as saved: differs from the preset
     converted.save_pretrained(tmp_path / "longlive")
     overrides = [f"model={name}", f"model.pretrained={tmp_path / 'longlive'}", "model.stream.checkpoint=null",
                  "model.stream.lora_checkpoint=null", *SMALL]
-    with caplog.at_level(logging.WARNING, logger="flowgrpo"):
+    with flowgrpo_caplog.at_level(logging.WARNING, logger="flowgrpo"):
         pipe = load_stream_pipeline(validate(_compose(overrides).model))
     same_state(pipe.pipe.transformer.state_dict(), converted.pipe.transformer.state_dict())
-    assert pipe.config.recache is True and "recache=True (saved: False)" in caplog.text  # the config's, with a warning
+    # the config's, with a warning
+    assert pipe.config.recache is True and "recache=True (saved: False)" in flowgrpo_caplog.text
 
 
 # ------------------------------------------------------------------------------------------- errors

@@ -132,14 +132,18 @@ def test_stream_grpo_rescores_every_trained_transition_exactly(tmp_path):
 
 
 def test_a_streaming_run_resumes_exactly(tmp_path):
-    """Two iterations straight == one, a checkpoint, a resume and one more (LoRA weights and rewards)."""
+    """Two iterations straight == one, a checkpoint, a resume and one more (LoRA weights and rewards). One prompt
+    per iteration and one held-out prompt: four iterations and three evaluations of 49-frame streams are the
+    suite's longest test."""
     from flowgrpo.trainer import Trainer
 
-    straight = Trainer(make_cfg(tmp_path / "a"), tmp_path / "a")
+    small = ["trainer.prompts_per_iteration=1", "trainer.train_batch_size=2", "trainer.eval_num_prompts=1"]
+    straight = Trainer(make_cfg(tmp_path / "a", *small), tmp_path / "a")
     straight.fit()
-    first = Trainer(make_cfg(tmp_path / "b", "trainer.iterations=1", "trainer.checkpoint_every=1"), tmp_path / "b")
+    first = Trainer(make_cfg(tmp_path / "b", *small, "trainer.iterations=1", "trainer.checkpoint_every=1"),
+                    tmp_path / "b")
     first.fit()
-    resumed = Trainer(make_cfg(tmp_path / "b", "trainer.resume=auto"), tmp_path / "b")
+    resumed = Trainer(make_cfg(tmp_path / "b", *small, "trainer.resume=auto"), tmp_path / "b")
     resumed.fit()
     assert resumed.iteration == 2
     for (name, p), (_, q) in zip(straight.unwrapped.named_parameters(), resumed.unwrapped.named_parameters()):

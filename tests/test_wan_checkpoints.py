@@ -138,11 +138,11 @@ def test_the_inverse_map_is_a_bijection_onto_the_model_keys(twins):
     assert {to_original(k) for k in back} == set(originals) and set(back) == set(model_keys)
 
 
-def test_round_trip_gives_the_same_weights_and_outputs_and_prefers_ema(ckpt, twins, inputs, caplog):
+def test_round_trip_gives_the_same_weights_and_outputs_and_prefers_ema(ckpt, twins, inputs, flowgrpo_caplog):
     gen, ema = twins
-    with caplog.at_level(logging.INFO, logger="flowgrpo"):
+    with flowgrpo_caplog.at_level(logging.INFO, logger="flowgrpo"):
         sd = load_streaming_wan_state_dict(ckpt)
-    assert "entry 'generator_ema'" in caplog.text
+    assert "entry 'generator_ema'" in flowgrpo_caplog.text
     same_state(sd, ema.state_dict())
     same_state(load_streaming_wan_state_dict(ckpt, key="generator"), gen.state_dict())
 
@@ -218,16 +218,17 @@ def longlive_lora(peft_model):
     return out
 
 
-def test_longlive_lora_merge_equals_the_peft_model(ckpt, twins, peft_twin, inputs, tmp_path, caplog):
+def test_longlive_lora_merge_equals_the_peft_model(ckpt, twins, peft_twin, inputs, tmp_path, flowgrpo_caplog):
     gen, ema = twins
     lora = longlive_lora(peft_twin)
     assert len(lora) == 2 * 10 * LAYERS and "base_model.model.blocks.0.self_attn.q.lora_A.weight" in lora
     assert "base_model.model.blocks.1.ffn.2.lora_B.weight" in lora
     lora_path = tmp_path / "lora.pt"
     torch.save({"generator_lora": lora, "critic_lora": {"x": torch.zeros(1)}, "step": 100}, lora_path)
-    with caplog.at_level(logging.INFO, logger="flowgrpo"):
+    with flowgrpo_caplog.at_level(logging.INFO, logger="flowgrpo"):
         merged = load_streaming_wan_transformer(ckpt, CONFIG, lora_path=lora_path, lora_alpha=ALPHA)
-    assert "entry 'generator'" in caplog.text and "into 20 linear layers" in caplog.text  # the LoRA's base
+    logged = flowgrpo_caplog.text
+    assert "entry 'generator'" in logged and "into 20 linear layers" in logged  # the LoRA's base
     reference = run(peft_twin, inputs)
     assert torch.allclose(run(merged, inputs), reference, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(run(gen, inputs), reference, atol=1e-2)                     # the LoRA matters
