@@ -39,6 +39,7 @@ import torch
 
 from ..config import AlgoConfig, _knob
 from .base import Algorithm, Batch, UpdateContext
+from .losses import sq_mean
 from .old_policy import OldPolicy
 
 __all__ = ["DGPOConfig", "DGPO", "dgpo_policy_loss", "dsm_clip_mask"]
@@ -177,18 +178,18 @@ class DGPO(Algorithm):
                 with self.ema.swapped_in(ctx.params):
                     v_ema = ctx.velocity(x_t, sigma, cond)
         v = ctx.velocity(x_t, sigma, cond)
-        fm = _sq_mean(target - v)
+        fm = sq_mean(target - v)
         adv = batch.advantages[rows].to(x0.device).float().clamp(-cfg.adv_clip, cfg.adv_clip)
         info: dict[str, Any] = {"fm_loss": fm.detach().mean()}
         if cfg.clip_dsm:
-            clipped = dsm_clip_mask(fm, _sq_mean(target - v_ema), adv, cfg.clip_range)
+            clipped = dsm_clip_mask(fm, sq_mean(target - v_ema), adv, cfg.clip_range)
             fm = torch.where(clipped, fm.detach(), fm)
             info["clip_fraction"] = clipped.float().mean()
-        ref_fm = _sq_mean(target - (v_ema if cfg.use_ema_ref else v_ref))
+        ref_fm = sq_mean(target - (v_ema if cfg.use_ema_ref else v_ref))
         loss, z = dgpo_policy_loss(fm, ref_fm, adv, G, cfg.beta_dpo)
         info.update(policy_loss=loss.detach(), group_weight=torch.sigmoid(z).mean(), margin=z.mean())
         if cfg.kl_beta > 0:
-            kl = _sq_mean(v - v_ref).mean()
+            kl = sq_mean(v - v_ref).mean()
             loss = loss + cfg.kl_beta * kl
             info["kl"] = kl.detach()
         return loss, info
@@ -207,8 +208,3 @@ class DGPO(Algorithm):
         return (f"dgpo (DGPO): ODE rollouts ({self.solver}, {self.num_steps} steps); trains {cfg.train_timesteps} of "
                 f"the first {min(cfg.trunc_steps + 1, self.num_steps)} noise levels, group preference against {ref}, "
                 f"beta_dpo={cfg.beta_dpo:g}, {clip}, KL weight {cfg.kl_beta:g}; {self._adv_text()}")
-
-
-def _sq_mean(x: torch.Tensor) -> torch.Tensor:
-    """Per-sample mean of ``x²`` over the non-batch dims (float32)."""
-    return x.float().pow(2).mean(dim=tuple(range(1, x.ndim)))

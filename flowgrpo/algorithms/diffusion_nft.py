@@ -40,6 +40,7 @@ import torch
 
 from ..config import AlgoConfig, _knob
 from .base import Algorithm, Batch, UpdateContext
+from .losses import sq_mean
 from .old_policy import OldPolicy
 from .schedule import select_trained, trained_step_count
 
@@ -144,15 +145,15 @@ class DiffusionNFT(Algorithm):
             loss_pos, loss_neg = _x0_loss(x_t, s_, v_pos, x0), _x0_loss(x_t, s_, v_neg, x0)
         else:
             target = eps - x0
-            loss_pos, loss_neg = _mean(v_pos - target), _mean(v_neg - target)
+            loss_pos, loss_neg = sq_mean(v_pos - target), sq_mean(v_neg - target)
         per_sample = (r * loss_pos + (1 - r) * loss_neg) / cfg.beta
         loss = cfg.adv_clip * per_sample.mean()
         info: dict[str, Any] = {"policy_loss": loss.detach(), "r_mean": r.mean(),
-                                "old_deviation": _mean(v.detach() - v_old).mean()}
+                                "old_deviation": sq_mean(v.detach() - v_old).mean()}
         if cfg.kl_beta > 0:
             with torch.no_grad(), ctx.reference():
                 v_ref = ctx.velocity(x_t, sigma, cond)
-            kl = _mean(v - v_ref).mean()
+            kl = sq_mean(v - v_ref).mean()
             loss = loss + cfg.kl_beta * kl
             info["kl"] = kl.detach()
         return loss, info
@@ -177,9 +178,6 @@ class DiffusionNFT(Algorithm):
                 f"{self._adv_text()}")
 
 
-def _mean(x: torch.Tensor) -> torch.Tensor:
-    """Per-sample mean of ``x²`` over the non-batch dims."""
-    return x.float().pow(2).mean(dim=tuple(range(1, x.ndim)))
 
 
 def _x0_loss(x_t: torch.Tensor, sigma: torch.Tensor, v: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ppo_clip_loss", "reduce_log_prob", "REDUCTIONS"]
+__all__ = ["ppo_clip_loss", "reduce_log_prob", "sq_mean", "REDUCTIONS"]
 
 REDUCTIONS = ("sum", "mean")
 
@@ -112,3 +112,9 @@ def ppo_clip_loss(
             "ratio_max": r.max(),
         }
     return loss, stats
+
+
+def sq_mean(x: torch.Tensor) -> torch.Tensor:
+    """Per-sample mean of ``x²`` over the non-batch dims, in float32 (the flow-matching and velocity-regression terms
+    of the likelihood-free algorithms)."""
+    return x.float().pow(2).mean(dim=tuple(range(1, x.ndim)))
