@@ -12,6 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import flowgrpo.config  # noqa: F401  (registers the schemas)
+from twins import run_processes  # tests/twins.py
 from flowgrpo.curriculum import CGPOCurriculum
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -115,13 +116,10 @@ def _run(trainer):
 
 def _two_process_worker(tmp_path):
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
 
     from flowgrpo.trainer import Trainer
 
     torch.set_num_threads(1)
-    # a fork inherits the parent's accelerate state (one process, if the parent built an Accelerator): start afresh
-    AcceleratorState._reset_state(reset_partial_state=True)
     acc = Accelerator(cpu=True)
     assert acc.num_processes == 2
     prompts, state, _ = _run(Trainer(_cfg(tmp_path / "two"), tmp_path / "two", accelerator=acc))
@@ -131,15 +129,13 @@ def _two_process_worker(tmp_path):
 def test_two_processes_draw_the_prompts_and_keep_the_tables_of_one(tmp_path):
     """The tables move with the gathered rewards, identically on every process: iteration 2's prompts (drawn from
     tables two updates old) and the final tables are those of a 1-process run."""
-    from accelerate import debug_launcher
-
     from flowgrpo.trainer import Trainer
 
     one = Trainer(_cfg(tmp_path / "one"), tmp_path / "one")
     prompts, state, scalars = _run(one)
     assert any(k.startswith("curriculum/weight/") for k in scalars) and "curriculum/p_mean" in scalars
     assert not torch.equal(state["p"], torch.ones_like(state["p"]))  # the curriculum moved
-    debug_launcher(_two_process_worker, args=(tmp_path,), num_processes=2)
+    run_processes(_two_process_worker, tmp_path)
     ranks = [torch.load(tmp_path / f"two{rank}.pt") for rank in (0, 1)]
     for two in ranks:
         assert two["prompts"] == prompts

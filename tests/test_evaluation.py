@@ -12,6 +12,7 @@ import torch
 
 import rewards
 from rewards.geneval.rules import TAGS
+from twins import run_processes  # tests/twins.py
 
 ROOT = Path(__file__).resolve().parents[1]
 NAN = math.nan
@@ -149,12 +150,10 @@ def _two_process_eval(out):
     import json
 
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
 
     from flowgrpo.trainer import Trainer
 
     torch.set_num_threads(1)
-    AcceleratorState._reset_state(reset_partial_state=True)  # a fork inherits the parent's (1-process) state
     acc = Accelerator(cpu=True)
     assert acc.num_processes == 2
     result = Trainer(_held_out(out), out, accelerator=acc).evaluate()
@@ -168,12 +167,10 @@ def test_two_processes_score_the_held_out_jobs_of_one(tmp_path):
     evaluation exactly: per-tag means pair each verdict with its own prompt's tag."""
     import json
 
-    from accelerate import debug_launcher
-
     from flowgrpo.trainer import Trainer
 
     one = Trainer(_held_out(tmp_path / "one"), tmp_path / "one").evaluate()
-    debug_launcher(_two_process_eval, args=(tmp_path / "two",), num_processes=2)
+    run_processes(_two_process_eval, tmp_path / "two")
     two = json.loads((tmp_path / "two" / "eval.json").read_text())
     assert list(two) == list(one)
     for key, value in one.items():

@@ -22,6 +22,7 @@ import torch
 import yaml
 
 from test_trainer import ALGOS, make_cfg
+from twins import run_processes  # tests/twins.py
 
 ROOT = Path(__file__).resolve().parents[1]
 # Clipping below the gradient norm (~1e-3 here), so that every update is clipped; an EMA that moves visibly per update.
@@ -96,11 +97,9 @@ def _lora(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_fsdp_checkpoint_resumes_exactly_and_saves_the_full_lora(tmp_path):
-    from accelerate import debug_launcher
-
     from flowgrpo.trainer import Trainer
 
-    debug_launcher(_fsdp_worker, args=(tmp_path,), num_processes=2)
+    run_processes(_fsdp_worker, tmp_path)
     a1, a2 = tmp_path / "a/checkpoints/checkpoint-000001", tmp_path / "a/checkpoints/checkpoint-000002"
     b2 = tmp_path / "b/checkpoints/checkpoint-000002"
     straight, resumed = _load(a2), _load(b2)

@@ -1,4 +1,5 @@
-"""Tiny random-initialised checkpoints shared by the reward tests (saved like hub checkpoints, CPU seconds)."""
+"""Helpers shared by the tests: tiny random-initialised checkpoints (saved like hub checkpoints, CPU seconds) and a
+launcher of fresh multi-process CPU runs."""
 
 from __future__ import annotations
 
@@ -28,3 +29,22 @@ def save_tiny_clip(path: Path) -> Path:
     tok.save_pretrained(path)
     CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(path)
     return Path(path)
+
+
+def run_processes(fn, *args, num_processes: int = 2) -> None:
+    """Run ``fn(*args)`` in ``num_processes`` CPU processes joined by a gloo process group (the rendezvous of
+    accelerate's ``debug_launcher``), each a fresh interpreter: spawned, not forked. A fork of a process whose
+    OpenMP / BLAS thread pools have run can deadlock in the child's first threaded op (both workers of the trainer's
+    2-process test hung in ``torch.outer`` while building the model, now and then), and the parent here always has
+    run them. ``fn`` must be a module-level function (the children import it by name)."""
+    import tempfile
+
+    from accelerate.utils import patch_environment
+    from accelerate.utils.launch import PrepareForLaunch
+    from torch.multiprocessing import start_processes
+
+    with tempfile.NamedTemporaryFile() as rendezvous, patch_environment(
+        world_size=num_processes, master_addr="127.0.0.1", accelerate_mixed_precision="no",
+        accelerate_debug_rdv_file=rendezvous.name, accelerate_use_cpu="yes", gloo_socket_ifname="lo",
+    ):
+        start_processes(PrepareForLaunch(fn, debug=True), args=args, nprocs=num_processes, start_method="spawn")
