@@ -160,7 +160,7 @@ def test_the_slow_copy_follows_every_update_and_resumes():
         assert a.state_dict()["moved_at"] == 2
 
 
-def test_the_trainer_keeps_groups_whole_and_one_iteration_resumes_exactly(tmp_path):
+def test_the_trainer_keeps_groups_whole_and_one_iteration_resumes_exactly(tmp_path, monkeypatch):
     from flowgrpo.trainer import Trainer
 
     overrides = ["model=tiny_sd3", "reward=jpeg_compressibility", "logger=none", "algo=dgpo",
@@ -176,7 +176,8 @@ def test_the_trainer_keeps_groups_whole_and_one_iteration_resumes_exactly(tmp_pa
             cfg = compose("train", overrides=[*overrides, f"trainer.output_dir={out}", *extra])
         return Trainer(cfg, out)
 
-    with pytest.raises(ValueError, match="trainer.group_size=3"):
+    with monkeypatch.context() as m, pytest.raises(ValueError, match="trainer.group_size=3"):
+        m.setattr("flowgrpo.trainer.build_adapter", lambda *a, **k: pytest.fail("the model loaded before the check"))
         make(tmp_path / "odd", "trainer.group_size=3", "trainer.prompts_per_iteration=2", "trainer.train_batch_size=2")
     trainer = make(tmp_path / "a")
     assert isinstance(trainer.algorithm, ALGORITHMS["dgpo"])
