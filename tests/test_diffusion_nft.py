@@ -12,10 +12,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import flowgrpo.config  # noqa: F401  (registers the schemas)
-from flowgrpo.advantages import group_advantages
-from flowgrpo.algorithms import ALGORITHMS, Batch, UpdateContext, build_algorithm
+from flowgrpo.algorithms import ALGORITHMS, Batch, UpdateContext
 from flowgrpo.algorithms.diffusion_nft import DiffusionNFT, old_policy_decay, optimality_probability
-from flowgrpo.build import build_sampler
 from samplers import flow_sigmas
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")

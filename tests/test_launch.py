@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flowgrpo.launch import check_launch, parent_argv, requested_processes
+from flowgrpo.launch import check_launch, requested_processes
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_ENV = {"ACCELERATE_USE_CPU": "True", "OMP_NUM_THREADS": "1"}
