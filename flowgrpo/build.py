@@ -618,6 +618,13 @@ def batch_plan(cfg: DictConfig, num_processes: int = 1, trained_steps: tuple[int
     B, A = t.train_batch_size, t.gradient_accumulation_steps
     if B % P:
         raise ValueError(f"trainer.train_batch_size={B} (global) must be a multiple of the {P} processes")
+    from .algorithms import ALGORITHMS  # the registry's classes say whether an update keeps groups whole
+
+    algorithm = ALGORITHMS.get(cfg.algo.name)  # an unknown name is reported by build_algorithm, naming algo.name
+    if algorithm is not None and algorithm.group_steps and (B // P) % G:
+        raise ValueError(f"algo={cfg.algo.name} trains whole groups per micro-batch: the per-process micro-batch "
+                         f"(trainer.train_batch_size={B} / {P} processes = {B // P}) must be a multiple of "
+                         f"trainer.group_size={G}")
     if M % (B * A):
         raise ValueError(
             f"trainer.train_batch_size × trainer.gradient_accumulation_steps = {B} × {A} = {B * A} samples per "

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from samplers import chunked_rollout, ragged_rollout
 
 from .advantages import RewardAggregator, advantage_stats, component_group_stats
-from .algorithms import ALGORITHMS, Batch, UpdateContext, build_algorithm
+from .algorithms import Batch, UpdateContext, build_algorithm
 from .build import (batch_plan, build_adapter, build_sampler, check_output_dir, checkpoint_bytes, model_kwargs, preflight,
                     prompt_pools)
 from .checkpoint import (CheckpointManager, GracefulStop, atomic_write_text, capture_rng_state, find_runs,
@@ -157,17 +157,6 @@ def degenerate_flags(samples: torch.Tensor, max_side: int = 128) -> torch.Tensor
     return torch.tensor([flag is not None for flag in flags], dtype=torch.float32)
 
 
-def check_group_micro_batch(cfg: DictConfig, micro_batch: int, world: int) -> None:
-    """An algorithm that trains whole groups per micro-batch (``Algorithm.group_steps``, e.g. DGPO) needs a
-    per-process micro-batch that is a multiple of ``trainer.group_size``: raises ``ValueError`` naming both keys."""
-    G = cfg.trainer.group_size
-    cls = ALGORITHMS.get(cfg.algo.name)
-    if cls is not None and cls.group_steps and micro_batch % G:
-        raise ValueError(f"algo={cfg.algo.name} trains whole groups per micro-batch: the per-process micro-batch "
-                         f"(trainer.train_batch_size={cfg.trainer.train_batch_size} / {world} processes = "
-                         f"{micro_batch}) must be a multiple of trainer.group_size={G}")
-
-
 class Trainer:
     """GRPO over a diffusers pipeline, configured by the composed Hydra config ``cfg`` (``conf/train.yaml``).
 
@@ -186,8 +175,7 @@ class Trainer:
         self.out = Path(output_dir)
         self.acc = accelerator or Accelerator(mixed_precision=t.mixed_precision, cpu=not torch.cuda.is_available())
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
-        plan = batch_plan(cfg, self.world)  # divisibility, before the model loads; K comes from the algorithm below
-        check_group_micro_batch(cfg, plan.train_micro_batch, self.world)
+        batch_plan(cfg, self.world)  # divisibility, before the model loads; K comes from the algorithm below
         self.device = self.acc.device
         # Reward ↔ model, output directory, prompt files and their metadata: checked before any weights load.
         checked = preflight(cfg, self.out)
