@@ -25,7 +25,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-
 @pytest.fixture
 def flowgrpo_caplog(caplog):
     """``caplog`` that sees the ``flowgrpo`` logger's records. That logger does not propagate to the root logger

@@ -178,8 +178,6 @@ class DiffusionNFT(Algorithm):
                 f"{self._adv_text()}")
 
 
-
-
 def _x0_loss(x_t: torch.Tensor, sigma: torch.Tensor, v: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
     """The authors' adaptive x₀-space loss: ``mean((x̂₀ − x₀)² / sg(mean|x̂₀ − x₀|))`` per sample, the weight in
     float64 and floored at 1e-5."""
