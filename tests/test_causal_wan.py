@@ -9,7 +9,7 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from flowgrpo.models import CausalWan
-from flowgrpo.models.causal_wan import stream_mask, teacher_forcing_mask
+from flowgrpo.models.causal_wan import _apply_rope, _rope_rotation, _rotate, _slot_runs, stream_mask, teacher_forcing_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -161,6 +161,37 @@ def test_routed_selection_equals_custom_mask_shared_and_per_row(data):
         assert diff(streamed[row:row + 1], ref) < TIGHT
     with wan.routed(lambda offset, frames, cached: [offset]), pytest.raises(ValueError, match="route picked"):
         wan(x[:, :, :2], t, text, frame_offset=2)
+
+
+@torch.no_grad()
+def test_context_read_by_slices_or_by_index_equals_the_mask(data):
+    """A selection in a few contiguous slot ranges is read as views of the cache, a fragmented or unordered one by
+    index: both attend exactly the chosen frames."""
+    assert _slot_runs(torch.tensor([0, 2, 3, 4])) == [(0, 1), (2, 5)]
+    assert _slot_runs(torch.tensor([0, 2, 4, 6, 8])) is None                     # more than 4 ranges
+    assert _slot_runs(torch.tensor([3, 0])) is None                              # unordered
+    assert _slot_runs(torch.tensor([[0, 1], [0, 2]])) is None                    # per row
+    x, text = data
+    t = t_(2, 500)
+    for older in ([0, 1, 2, 3, 4, 5, 6], [0, 2, 4, 6], [0, 1, 3, 5, 6], [6, 0, 3]):
+        wan = CausalWan(tiny_wan(), block_frames=1)
+        mask = stream_mask(8, 1)
+        mask[7, :7] = False
+        mask[7, older] = True
+        with wan.routed(lambda offset, frames, cached: older if offset == 7 else range(offset)):
+            streamed = stream(wan, x, t, text, 1)
+        assert diff(streamed, wan.full(x, t, text, mask=mask)) < TIGHT, older
+
+
+def test_complex_rope_is_diffusers_rotation():
+    g = torch.Generator().manual_seed(0)
+    angles = torch.rand(1, 6, 1, 4, generator=g, dtype=torch.float64) * 6
+    cos, sin = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)   # Wan's interleaved tables
+    x = torch.randn(2, 6, 3, 8, generator=g, dtype=torch.float64)
+    assert diff(_rotate(x, _rope_rotation(cos, sin)), _apply_rope(x, cos, sin)) < 1e-15
+    half = x.to(torch.bfloat16)                 # low-precision inputs rotate in the tables' float32, as diffusers does
+    a, b = _rotate(half, _rope_rotation(cos.float(), sin.float())), _apply_rope(half, cos.float(), sin.float())
+    assert a.dtype == torch.bfloat16 and diff(a.double(), b.double()) <= 2 ** -7 * x.abs().max().item()
 
 
 @torch.no_grad()
