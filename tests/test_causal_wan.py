@@ -352,3 +352,19 @@ def test_per_row_masks_and_prompts_equal_row_by_row_forwards(data):
                          text_frames=frames[row], prompt_tokens=5)
         assert diff(both[row:row + 1], alone) < TIGHT
     assert diff(both[1:], wan.full(x[1:], t[1:], text_a[1:], mask=masks[1])) > 1e-4
+
+
+@torch.no_grad()
+def test_write_pass_stops_after_the_last_layer_stored_its_keys(data):
+    x, text = data
+    wan = CausalWan(tiny_wan(), block_frames=2)
+    ran = []
+    last = wan.transformer.blocks[-1]
+    hooks = [m.register_forward_hook(lambda *a, name=name: ran.append(name))
+             for name, m in (("last_ffn", last.ffn), ("head", wan.transformer.proj_out))]
+    wan.write(x[:, :, :2], text, frame_offset=0)
+    assert ran == [] and all(k is not None for k in wan.cache.keys)
+    wan(x[:, :, 2:4], t_(2, 300), text, frame_offset=2)        # a denoising read runs the whole model
+    assert ran == ["last_ffn", "head"]
+    for h in hooks:
+        h.remove()

@@ -25,7 +25,8 @@ How (the design, and why):
   the streamed one, which the tests check to float64 precision.
 - **Writes are separate, no-grad passes** (:meth:`CausalWan.write`): after a block is generated, its clean latents
   (timestep 0, or ``context_sigma`` > 0 with given noise; one choice, the same in training and sampling) run
-  through the model once and every self-attention layer stores its keys and values. Denoising forwards only read.
+  through the model once and every self-attention layer stores its keys and values (the pass ends there: the last
+  layer's attention output and MLP and the output head are never computed). Denoising forwards only read.
   Cache updates are functional (new tensors, never in-place), so :meth:`CausalWan.save_state` is free and a
   prefix can be branched G ways (:meth:`CacheState.repeat_interleave` for a batched fork).
 - **Gradient checkpointing is safe**: everything a forward reads (positions, mask, the selected cache frames) is
@@ -143,6 +144,7 @@ class _Call:
     prompt_tokens: int = 0                   # full mode with text_frames: tokens per prompt
     text_mask: torch.Tensor | None = None    # ``text_frames`` as a cross-attention mask, built by the first layer
     written: set = field(default_factory=set)
+    stop_after_write: bool = False          # write: end the forward once the last layer has stored its keys
 
     def mark_written(self, layer: int) -> bool:
         """True the first time ``layer`` runs in this call; False when a checkpointed block is recomputed."""
@@ -150,6 +152,11 @@ class _Call:
             return False
         self.written.add(layer)
         return True
+
+
+class _WriteDone(Exception):
+    """Raised by the last self-attention layer of a write pass once its keys and values are stored: nothing after
+    them (that layer's attention, cross-attention and MLP, the output head) is read by anyone."""
 
 
 class _CallSlot:
@@ -294,6 +301,8 @@ class _CausalSelfAttnProcessor:
             if cached_k is not None and call.keep.numel():
                 k_all, v_all = (self._merge(call, old, new) for old, new in ((cached_k, k_all), (cached_v, v_all)))
             call.write.keys[li], call.write.values[li] = k_all, v_all
+            if call.stop_after_write and li == len(call.write.keys) - 1:
+                raise _WriteDone
         if cached_k is None or call.select is None or call.select.numel() == 0:
             return key, value
         if call.runs is not None:
@@ -568,7 +577,13 @@ class CausalWan:
                      order=None if order == sorted(order) else torch.tensor(order, dtype=torch.long))
         if timestep is None:
             timestep = torch.full((x.shape[0],), 1000.0 * self.context_sigma, device=x.device)
-        self._run(call, x, timestep, encoder_hidden_states)
+        call.stop_after_write = True
+        try:
+            self._run(call, x, timestep, encoder_hidden_states)
+        except _WriteDone:
+            pass
+        if any(k is None for k in written.keys):
+            raise RuntimeError("the write pass did not reach every self-attention layer")
         self.cache = written
 
     def recache_start(self, switch_frame: int) -> int:
