@@ -3,22 +3,31 @@ r"""Experiment presets side by side over seeds, at each preset's own budget: JSO
 
     python scripts/compare_presets.py --arms flash_grpo_shapes,flash_grpo_fast --seeds 0,1,2 \
         --metrics eval/strict,eval/partial --runs outputs/flash --out docs/results/flash_grpo_tail
+    python scripts/compare_presets.py --arms sum=video_shapes,taros=video_shapes --set reward=video_composite \
+        --arm-set sum reward.aggregate.name=sum --arm-set taros reward.aggregate.name=taros \
+        --train-metrics groups/video_consistency/zero_std_group_fraction --runs outputs/taros --out outputs/taros/cmp
     python scripts/compare_streaming.py                # the streaming presets (this script with their metrics)
 
-Each run is ``python train.py experiment=<arm> trainer.seed=<seed> [--set ...]``, one after the other so that their
-clocks do not share the CPU. Every run's directory is kept under ``--runs`` as ``<arm>_seed<seed>``; a run already
-finished there is read back instead of run again, so an interrupted comparison resumes where it stopped, and the
-JSON is rewritten after every run. A run stopped part-way (SIGTERM: its ``summary.json`` says ``stopped``; or killed
-after a checkpoint) continues from its newest checkpoint when the command is run again.
+Each run is ``python train.py experiment=<preset> trainer.seed=<seed> [--set ...] [--arm-set ...]``, one after the
+other so that their clocks do not share the CPU. An arm is a preset, or ``name=preset`` with overrides of its own
+(``--arm-set name key=value ...``): two arms may share a preset and differ in one knob. Every run's directory is
+kept under ``--runs`` as ``<arm>_seed<seed>``; a run already finished there is read back instead of run again, so an
+interrupted comparison resumes where it stopped, and the JSON is rewritten after every run. A run stopped part-way
+(SIGTERM: its ``summary.json`` says ``stopped``; or killed after a checkpoint) continues from its newest checkpoint
+when the command is run again. SIGTERM or Ctrl-C to this script is passed on to the running ``train.py``, which
+checkpoints and stops; the script waits for it.
 
 Reported per arm: mean ± std over seeds of each ``--metrics`` held-out value at the last evaluation, its change
-from iteration 0, the value at every evaluation, and the wall clock of a run (evaluations included).
+from iteration 0, the value at every evaluation, and the wall clock of a run (evaluations included); for each
+``--train-metrics`` key (a training log value, e.g. a reward term's share of constant groups), its mean over the
+first and over the last quarter of the iterations.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -28,7 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run(arm: str, seed: int, runs: Path, extra: list[str], metrics: list[str]) -> dict:
+def run(arm: str, seed: int, runs: Path, extra: list[str], metrics: list[str], *, preset: str | None = None,
+        train_metrics: list[str] = ()) -> dict:
     out = runs / f"{arm}_seed{seed}"
     summary, clock = out / "summary.json", out / "wall_clock.json"
     if not _finished(summary):
@@ -36,22 +46,57 @@ def run(arm: str, seed: int, runs: Path, extra: list[str], metrics: list[str]) -
         resume = (out / "checkpoints" / "latest").is_file()
         spent = json.loads(clock.read_text())["seconds"] if resume and clock.is_file() else 0.0
         start = time.time()
-        cmd = [sys.executable, str(REPO / "train.py"), f"experiment={arm}", f"trainer.seed={seed}",
+        cmd = [sys.executable, str(REPO / "train.py"), f"experiment={preset or arm}", f"trainer.seed={seed}",
                f"hydra.run.dir={out}", *extra, *([f"trainer.resume={out}"] if resume else [])]
         with open(runs / f"{arm}_seed{seed}.log", "a" if resume else "w") as log:
-            proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            returncode = _run_forwarding_signals(cmd, log)
         out.mkdir(parents=True, exist_ok=True)
         clock.write_text(json.dumps({"seconds": spent + time.time() - start}))
-        if proc.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed (exit {proc.returncode}); see {runs / f'{arm}_seed{seed}.log'}")
+        if returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed (exit {returncode}); see {runs / f'{arm}_seed{seed}.log'}")
         if not _finished(summary):
             raise SystemExit(f"{out} stopped before its last iteration ({json.loads(summary.read_text())['stopped']}); "
                              "run the same command again to continue it from its checkpoint")
-    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
-             if line.strip() and any(k.startswith("eval/") for k in json.loads(line))]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     seconds = json.loads((out / "wall_clock.json").read_text())["seconds"]
-    return {"arm": arm, "seed": seed, "seconds": round(seconds, 1), "dir": str(out),
-            "evals": [{"iteration": e["iteration"], **{m: e.get(m) for m in metrics}} for e in evals]}
+    result = {"arm": arm, "seed": seed, "seconds": round(seconds, 1), "dir": str(out),
+              "evals": [{"iteration": e["iteration"], **{m: e.get(m) for m in metrics}} for e in evals]}
+    if train_metrics:
+        train = [r for r in rows if not any(k.startswith("eval/") for k in r)]
+        result["train"] = {m: {"first_quarter": _quarter(train, m, last=False), "last_quarter": _quarter(train, m, last=True)}
+                           for m in train_metrics}
+    return result
+
+
+def _run_forwarding_signals(cmd: list[str], log) -> int:
+    """Run ``cmd``; a SIGTERM or SIGINT to this process goes to it (it checkpoints and stops), and we wait for it."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    received = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        proc.send_signal(signal.SIGTERM)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        returncode = proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if received:
+        raise SystemExit(f"stopped by signal {received[0]}: the run checkpointed (exit {returncode}); "
+                         "run the same command again to continue it")
+    return returncode
+
+
+def _quarter(rows: list[dict], key: str, last: bool) -> float | None:
+    """Mean of ``key`` over the first (or last) quarter of the training rows that log it (at least one row)."""
+    rows = [r[key] for r in rows if r.get(key) is not None]
+    if not rows:
+        return None
+    n = max(1, len(rows) // 4)
+    return statistics.fmean(rows[-n:] if last else rows[:n])
 
 
 def _finished(summary: Path) -> bool:
@@ -71,6 +116,9 @@ def summarise(results: list[dict], metrics: list[str]) -> dict:
                     if r["evals"][-1].get(m) is not None and r["evals"][0].get(m) is not None]
             row[m] = {"final": _stats(last), "gain": _stats(gain)}
         row["base"] = {m: mine[0]["evals"][0].get(m) for m in metrics}
+        for m in mine[0].get("train", {}):
+            row[m] = {part: _stats([r["train"][m][part] for r in mine if r["train"][m][part] is not None])
+                      for part in ("first_quarter", "last_quarter")}
         row["curve"] = {m: [{"iteration": e["iteration"], **_stats([r["evals"][i][m] for r in mine
                                                                   if i < len(r["evals"]) and r["evals"][i].get(m) is not None])}
                             for i, e in enumerate(mine[0]["evals"])] for m in metrics}
@@ -127,7 +175,7 @@ def main(argv=None, *, description: str | None = None, defaults: dict | None = N
                 **(defaults or {})}
     p = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0])
     p.add_argument("--arms", default=defaults["arms"], required=defaults["arms"] is None,
-                   help="experiment presets, comma-separated")
+                   help="experiment presets (or name=preset), comma-separated")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--runs", default=defaults["runs"], required=defaults["runs"] is None, help="run directories")
     p.add_argument("--out", default=defaults["out"], required=defaults["out"] is None,
@@ -137,7 +185,21 @@ def main(argv=None, *, description: str | None = None, defaults: dict | None = N
                    help="metric=label pairs of the markdown table, separated by ';' (default: every metric)")
     p.add_argument("--plot", default=defaults["plot"], help="metrics plotted, comma-separated (default: the first two)")
     p.add_argument("--set", nargs="*", default=[], help="extra overrides for every run (key=value)")
+    p.add_argument("--arm-set", nargs="+", action="append", default=[], metavar=("ARM", "KEY=VALUE"),
+                   help="overrides for one arm's runs only (repeatable)")
+    p.add_argument("--train-metrics", default="",
+                   help="training log keys reported as first- and last-quarter means, comma-separated")
     args = p.parse_args(argv)
+    arms = {}
+    for spec in args.arms.split(","):
+        name, _, preset = spec.rpartition("=")
+        arms[name or preset] = preset
+    arm_set = {}
+    for name, *overrides in args.arm_set:
+        if name not in arms:
+            raise SystemExit(f"--arm-set names the arm {name!r}, which --arms does not have ({', '.join(arms)})")
+        arm_set.setdefault(name, []).extend(overrides)
+    train_metrics = [m for m in args.train_metrics.split(",") if m]
     metrics = args.metrics.split(",")
     cols = ([tuple(c.split("=", 1)) for c in args.columns.split(";")] if args.columns
             else [(m, m.removeprefix("eval/")) for m in metrics])
@@ -151,9 +213,11 @@ def main(argv=None, *, description: str | None = None, defaults: dict | None = N
     out.parent.mkdir(parents=True, exist_ok=True)
     results = []
     for seed in [int(s) for s in args.seeds.split(",")]:
-        for arm in args.arms.split(","):
-            results.append(run(arm, seed, runs, args.set, metrics))
-            report = {"arms": summarise(results, metrics), "runs": results, "overrides": args.set}
+        for arm, preset in arms.items():
+            results.append(run(arm, seed, runs, args.set + arm_set.get(arm, []), metrics, preset=preset,
+                               train_metrics=train_metrics))
+            report = {"arms": summarise(results, metrics), "runs": results, "overrides": args.set,
+                      "arm_presets": arms, "arm_overrides": arm_set}
             out.with_suffix(".json").write_text(json.dumps(report, indent=2))
             out.with_suffix(".md").write_text(table(report["arms"], cols) + "\n")
             plot(results, out.with_suffix(".png"), shown)

@@ -3,7 +3,11 @@
 import importlib.util
 import json
 import math
-import subprocess
+import os
+import signal
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -283,12 +287,19 @@ def test_compare_presets_continues_a_stopped_run_from_its_checkpoint(tmp_path, m
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     calls = []
 
-    def fake_run(cmd, **kwargs):
-        calls.append(cmd)
-        (d / "summary.json").write_text(json.dumps({"stopped": None}))
-        return subprocess.CompletedProcess(cmd, 0)
+    class FakeRun:
+        """Stands in for the train.py process: ``effect`` is what the run leaves behind."""
 
-    monkeypatch.setattr(compare.subprocess, "run", fake_run)
+        effect = staticmethod(lambda: (d / "summary.json").write_text(json.dumps({"stopped": None})))
+
+        def __init__(self, cmd, **kwargs):
+            calls.append(cmd)
+            FakeRun.effect()
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(compare.subprocess, "Popen", FakeRun)
     report = compare.main(["--arms", "a", "--seeds", "0", "--runs", str(runs), "--out", str(tmp_path / "cmp"),
                            "--metrics", "eval/strict"])
     assert len(calls) == 1 and f"trainer.resume={d}" in calls[0] and "experiment=a" in calls[0]
@@ -297,12 +308,71 @@ def test_compare_presets_continues_a_stopped_run_from_its_checkpoint(tmp_path, m
                   "--metrics", "eval/strict"])
     assert len(calls) == 1  # finished: read back
 
-    def stops_again(cmd, **kwargs):
-        (d / "summary.json").write_text(json.dumps({"stopped": "stop requested; finished the iteration"}))
-        return subprocess.CompletedProcess(cmd, 0)
-
     (d / "summary.json").write_text(json.dumps({"stopped": "killed"}))
-    monkeypatch.setattr(compare.subprocess, "run", stops_again)
+    FakeRun.effect = staticmethod(
+        lambda: (d / "summary.json").write_text(json.dumps({"stopped": "stop requested; finished"})))
     with pytest.raises(SystemExit, match="run the same command again"):
         compare.main(["--arms", "a", "--seeds", "0", "--runs", str(runs), "--out", str(tmp_path / "cmp"),
                       "--metrics", "eval/strict"])
+
+
+def test_compare_presets_arms_share_a_preset_with_their_own_overrides_and_report_training_quarters(tmp_path, monkeypatch):
+    """``name=preset`` arms run the preset with ``--set`` and their own ``--arm-set`` overrides; training keys are
+    reported as first- and last-quarter means; an ``--arm-set`` for an unknown arm is refused."""
+    compare = load_script("compare_presets")
+    runs, calls = tmp_path / "runs", []
+
+    class FakeRun:
+        def __init__(self, cmd, **kwargs):
+            calls.append(cmd)
+            out = Path(next(c for c in cmd if c.startswith("hydra.run.dir=")).split("=", 1)[1])
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "summary.json").write_text(json.dumps({"stopped": None}))
+            sat = [0.0, 0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0] if "reward.aggregate.name=sum" in cmd else [0.0] * 8
+            rows = [{"iteration": 0, "eval/partial": 0.4}] + [
+                {"iteration": i + 1, "groups/c/zero_std_group_fraction": v} for i, v in enumerate(sat)] + [
+                {"iteration": 8, "eval/partial": 0.5}]
+            (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(compare.subprocess, "Popen", FakeRun)
+    argv = ["--arms", "sum=video_shapes,taros=video_shapes", "--seeds", "0", "--runs", str(runs),
+            "--out", str(tmp_path / "cmp"), "--metrics", "eval/partial", "--set", "reward=video_composite",
+            "--arm-set", "sum", "reward.aggregate.name=sum", "--arm-set", "taros", "reward.aggregate.name=taros",
+            "--train-metrics", "groups/c/zero_std_group_fraction"]
+    report = compare.main(argv)
+    assert [c[2] for c in calls] == ["experiment=video_shapes"] * 2
+    assert all("reward=video_composite" in c for c in calls)
+    assert "reward.aggregate.name=sum" in calls[0] and "reward.aggregate.name=taros" in calls[1]
+    assert (runs / "sum_seed0").is_dir() and (runs / "taros_seed0").is_dir()
+    sat = report["arms"]["sum"]["groups/c/zero_std_group_fraction"]
+    assert sat["first_quarter"]["mean"] == 0.0 and sat["last_quarter"]["mean"] == 1.0
+    assert report["arms"]["taros"]["groups/c/zero_std_group_fraction"]["last_quarter"]["mean"] == 0.0
+    with pytest.raises(SystemExit, match="'guard'"):
+        compare.main(argv + ["--arm-set", "guard", "algo=grpo_guard"])
+
+
+def test_compare_presets_passes_sigterm_to_the_run_and_waits_for_it(tmp_path):
+    """A SIGTERM to the comparison reaches the running train.py (which checkpoints on it); the script waits for the
+    run to end and then stops with the command to continue."""
+    compare = load_script("compare_presets")
+    ready, got = tmp_path / "ready", tmp_path / "got"
+    child = (f"import signal, sys, time, pathlib\n"
+             f"def stop(*a):\n    pathlib.Path({str(got)!r}).write_text('term'); sys.exit(0)\n"
+             f"signal.signal(signal.SIGTERM, stop)\npathlib.Path({str(ready)!r}).write_text('')\ntime.sleep(60)\n")
+
+    def send_when_ready():
+        deadline = time.time() + 30
+        while not ready.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=send_when_ready, daemon=True).start()
+    start = time.time()
+    with open(tmp_path / "log", "w") as log, pytest.raises(SystemExit, match="run the same command again"):
+        compare._run_forwarding_signals([sys.executable, "-c", child], log)
+    assert got.read_text() == "term" and time.time() - start < 30
+    assert signal.getsignal(signal.SIGTERM) == before  # our handler removed again
