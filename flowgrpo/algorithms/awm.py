@@ -44,6 +44,7 @@ import torch
 
 from ..config import AlgoConfig, _knob
 from .base import Algorithm, Batch, UpdateContext
+from .losses import keyed_noise, renoise
 from .old_policy import OldPolicy
 
 __all__ = ["AWMConfig", "AWM", "awm_weight", "stratified_levels", "ema_decay"]
@@ -163,10 +164,9 @@ class AWM(Algorithm):
         sigma = plan.sigmas[steps].to(x0.device)
         # fresh noise per (sample, noise level), keyed by the global row: the same on any number of processes and
         # after a resume
-        eps = torch.stack([torch.randn(x0.shape[1:], generator=ctx.generator(int(batch.global_rows[r]), int(s)))
-                           for r, s in zip(rows.tolist(), steps.tolist())]).to(x0.device)
-        s_ = sigma.view(-1, *([1] * (x0.ndim - 1)))
-        x_t = (1 - s_) * x0 + s_ * eps
+        eps = keyed_noise(x0, (ctx.generator(int(batch.global_rows[r]), int(s))
+                               for r, s in zip(rows.tolist(), steps.tolist())))
+        x_t, _ = renoise(x0, sigma, eps)
         cond = batch.cond[rows]
         # the EMA's and the reference's velocities first: swapping the EMA weights in changes the parameters in place
         v_ema = v_ref = None

@@ -39,7 +39,7 @@ import torch
 
 from ..config import AlgoConfig, _knob
 from .base import Algorithm, Batch, UpdateContext
-from .losses import sq_mean
+from .losses import keyed_noise, renoise, sq_mean
 from .old_policy import OldPolicy
 
 __all__ = ["DGPOConfig", "DGPO", "dgpo_policy_loss", "dsm_clip_mask"]
@@ -162,10 +162,9 @@ class DGPO(Algorithm):
         # one noise per (group, noise level), keyed by the global group: the same on any number of processes and
         # after a resume
         group_ids = (batch.global_rows[rows] // G).tolist()[::G]
-        eps = torch.stack([torch.randn(x0.shape[1:], generator=ctx.generator(g, int(s)))
-                           for g, s in zip(group_ids, steps.tolist()[::G])]).repeat_interleave(G, dim=0).to(x0.device)
-        s_ = sigma.view(-1, *([1] * (x0.ndim - 1)))
-        x_t = (1 - s_) * x0 + s_ * eps
+        eps = keyed_noise(x0, (ctx.generator(g, int(s)) for g, s in zip(group_ids, steps.tolist()[::G])))
+        eps = eps.repeat_interleave(G, dim=0)
+        x_t, _ = renoise(x0, sigma, eps)
         target = eps - x0
         cond = batch.cond[rows]
         if self.uses_ema:

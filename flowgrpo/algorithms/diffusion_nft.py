@@ -40,7 +40,7 @@ import torch
 
 from ..config import AlgoConfig, _knob
 from .base import Algorithm, Batch, UpdateContext
-from .losses import sq_mean
+from .losses import keyed_noise, renoise, sq_mean
 from .old_policy import OldPolicy
 from .schedule import select_trained, trained_step_count
 
@@ -130,10 +130,9 @@ class DiffusionNFT(Algorithm):
         sigma = plan.sigmas[steps].to(x0.device)
         # fresh noise per (sample, noise level), from generators keyed by the global row: the same on any number of
         # processes and after a resume
-        eps = torch.stack([torch.randn(x0.shape[1:], generator=ctx.generator(int(batch.global_rows[r]), int(s)))
-                           for r, s in zip(rows.tolist(), steps.tolist())]).to(x0.device)
-        s_ = sigma.view(-1, *([1] * (x0.ndim - 1)))
-        x_t = (1 - s_) * x0 + s_ * eps
+        eps = keyed_noise(x0, (ctx.generator(int(batch.global_rows[r]), int(s))
+                               for r, s in zip(rows.tolist(), steps.tolist())))
+        x_t, s_ = renoise(x0, sigma, eps)
         cond = batch.cond[rows]
         with torch.no_grad(), self.old.swapped_in(ctx.params):
             v_old = ctx.velocity(x_t, sigma, cond)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ppo_clip_loss", "reduce_log_prob", "sq_mean", "REDUCTIONS"]
+__all__ = ["ppo_clip_loss", "reduce_log_prob", "sq_mean", "keyed_noise", "renoise", "REDUCTIONS"]
 
 REDUCTIONS = ("sum", "mean")
 
@@ -118,3 +118,17 @@ def sq_mean(x: torch.Tensor) -> torch.Tensor:
     """Per-sample mean of ``x²`` over the non-batch dims, in float32 (the flow-matching and velocity-regression terms
     of the likelihood-free algorithms)."""
     return x.float().pow(2).mean(dim=tuple(range(1, x.ndim)))
+
+
+def keyed_noise(like: torch.Tensor, generators) -> torch.Tensor:
+    """One standard normal draw of ``like``'s per-sample shape from each generator, stacked on ``like``'s device.
+    With generators keyed by global rows or groups (``UpdateContext.generator``) the draws are the same on any
+    number of processes and after a resume."""
+    return torch.stack([torch.randn(like.shape[1:], generator=g) for g in generators]).to(like.device)
+
+
+def renoise(x0: torch.Tensor, sigma: torch.Tensor, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flow-matching interpolant ``x_σ = (1 − σ) x₀ + σ ε`` per row (``sigma``: ``[B]``), and ``σ`` shaped to
+    broadcast over ``x₀``: how the likelihood-free algorithms (DiffusionNFT, AWM, DGPO) noise clean samples again."""
+    s = sigma.view(-1, *([1] * (x0.ndim - 1)))
+    return (1 - s) * x0 + s * eps, s
