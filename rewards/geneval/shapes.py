@@ -43,6 +43,7 @@ import math
 from typing import Sequence
 
 import numpy as np
+from scipy import ndimage
 
 from .rules import Detection
 
@@ -85,33 +86,36 @@ def _blur_matrix(n: int, sigma: float) -> np.ndarray:
 
 
 def _components(mask: np.ndarray, key: np.ndarray | None = None) -> tuple[np.ndarray, int]:
-    """4-connected components of ``mask`` (neighbours must also share ``key``). Labels 1..n, 0 = off."""
-    h, w = mask.shape
-    big = h * w + 1
-    lab = np.where(mask, np.arange(1, h * w + 1).reshape(h, w), big)
-    # Links between each pixel and its right / lower neighbour.
-    right = mask[:, :-1] & mask[:, 1:]
-    down = mask[:-1, :] & mask[1:, :]
-    if key is not None:
-        right &= key[:, :-1] == key[:, 1:]
-        down &= key[:-1, :] == key[1:, :]
-    while True:
-        new = lab.copy()
-        np.minimum(new[:, :-1], np.where(right, lab[:, 1:], big), out=new[:, :-1])
-        np.minimum(new[:, 1:], np.where(right, lab[:, :-1], big), out=new[:, 1:])
-        np.minimum(new[:-1, :], np.where(down, lab[1:, :], big), out=new[:-1, :])
-        np.minimum(new[1:, :], np.where(down, lab[:-1, :], big), out=new[1:, :])
-        if np.array_equal(new, lab):
-            break
-        # pointer jumping: follow each label to its own label's label (labels are pixel indices + 1)
-        flat = new.reshape(-1)
-        on = flat < big
-        flat[on] = np.minimum(flat[on], flat[flat[on] - 1])
-        lab = new
-    uniq, inv = np.unique(lab[mask], return_inverse=True)
-    out = np.zeros((h, w), dtype=np.int64)
-    out[mask] = inv + 1
-    return out, len(uniq)
+    """4-connected components of ``mask`` (neighbours must also share ``key``). Labels 1..n in raster order of each
+    component's first pixel, 0 = off."""
+    if key is None:
+        lab, n = ndimage.label(mask)  # 4-connected by default; labels in raster order of first pixels
+        return lab.astype(np.int64), int(n)
+    # components of each key value on its own, then numbered together in raster order of their first pixels
+    out = np.zeros(mask.shape, dtype=np.int64)
+    firsts, pieces = [], []
+    for value in np.unique(key[mask]):
+        lab, n = ndimage.label(mask & (key == value))
+        if not n:
+            continue
+        flat = lab.reshape(-1)
+        on = np.flatnonzero(flat)
+        first = np.full(n + 1, flat.size, dtype=np.int64)
+        np.minimum.at(first, flat[on], on)
+        firsts.append(first[1:])
+        pieces.append((lab, len(firsts) - 1))
+    if not firsts:
+        return out, 0
+    order = np.argsort(np.concatenate(firsts), kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(1, len(order) + 1)
+    start = 0
+    for lab, _ in pieces:
+        n = int(lab.max())
+        on = lab > 0
+        out[on] = rank[start + lab[on] - 1]
+        start += n
+    return out, len(order)
 
 
 def _dilate(mask: np.ndarray, steps: int) -> np.ndarray:
@@ -207,8 +211,9 @@ class ShapesDetector:
         claimed = np.zeros((h, w), dtype=bool)
         for obj in objects:
             claimed |= obj
+        pixels = image.astype(np.float64)
         for obj in objects:
-            det = self._describe(image.astype(np.float64), alpha, label, obj, claimed & ~obj, scale)
+            det = self._describe(pixels, alpha, label, obj, claimed & ~obj, scale)
             if det is not None:
                 cls, detection = det
                 out.setdefault(cls, []).append(detection)
@@ -267,7 +272,8 @@ class ShapesDetector:
             sigma0 = math.sqrt(max(second - t_second, 0.0) / 2.0)
             best_err = 1.0
             for factor in self.sigma_grid:
-                ky, kx = _blur_matrix(t.shape[0], sigma0 * factor), _blur_matrix(t.shape[1], sigma0 * factor)
+                ky = _blur_matrix(t.shape[0], sigma0 * factor)
+                kx = ky if t.shape[1] == t.shape[0] else _blur_matrix(t.shape[1], sigma0 * factor)
                 tb = np.where(region, ky @ t @ kx.T, 0.0)
                 best_err = min(best_err, float(np.abs(a - tb).sum() / (area + tb.sum())))
             errs[cls] = best_err
@@ -285,8 +291,6 @@ class ShapesDetector:
         """Anti-aliased coverage of a shape centred at the origin on the pixel grid ``(dx, dy)`` (centres)."""
         s = self.supersample
         off = (np.arange(s) + 0.5) / s - 0.5
-        acc = np.zeros_like(dx)
-        for oy in off:
-            for ox in off:
-                acc += _inside(cls, dx + ox, dy + oy, r)
-        return acc / (s * s)
+        # every (oy, ox) sub-pixel offset at once: a count of covered sub-samples, exact in any order
+        inside = _inside(cls, dx[None, None] + off[None, :, None, None], dy[None, None] + off[:, None, None, None], r)
+        return inside.sum(axis=(0, 1)).astype(np.float64) / (s * s)
