@@ -342,3 +342,36 @@ def test_cli_pairing_modes_and_errors(tmp_path, capsys):
     _write_jsonl(tmp_path / "bad.jsonl", [{"tag": "colors", "include": [{"class": "square", "count": 1, "color": "teal"}]}] * 3)
     assert main(["geneval", "--images", str(plain), "--metadata", str(tmp_path / "bad.jsonl")]) == 2
     assert "include[0].color" in capsys.readouterr().err
+
+
+def test_detector_components_match_a_flood_fill_numbered_in_raster_order():
+    """The detector's 4-connected components (optionally only between pixels of the same colour key) against a plain
+    flood fill whose labels follow the raster order of each component's first pixel."""
+    from rewards.geneval.shapes import _components
+
+    def flood(mask, key):
+        h, w = mask.shape
+        out, n = np.zeros((h, w), dtype=np.int64), 0
+        for i in range(h):
+            for j in range(w):
+                if not mask[i, j] or out[i, j]:
+                    continue
+                n += 1
+                out[i, j], todo = n, [(i, j)]
+                while todo:
+                    a, b = todo.pop()
+                    for c, d in ((a + 1, b), (a - 1, b), (a, b + 1), (a, b - 1)):
+                        if 0 <= c < h and 0 <= d < w and mask[c, d] and not out[c, d] \
+                                and (key is None or key[c, d] == key[a, b]):
+                            out[c, d] = n
+                            todo.append((c, d))
+        return out, n
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        h, w = rng.integers(1, 16, size=2)
+        mask = rng.random((h, w)) < rng.random()
+        key = rng.integers(0, 3, size=(h, w)) if trial % 2 else None
+        labels, n = _components(mask, key)
+        ref, m = flood(mask, key)
+        assert n == m and np.array_equal(labels, ref), trial
