@@ -178,7 +178,8 @@ class FlowOPD(GRPO):
             adv = adv + cfg.task_weight * batch.advantages[rows].to(adv.device)
         adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
         log_prob, old, weights = self.ratio_terms(batch, step, rows, flat)
-        loss, info = _ppo(log_prob, old, adv, cfg.clip_range, weights.to(x.device), detached=cfg.detach_kl)
+        loss, info = ppo_clip_loss(log_prob, old, adv, clip_range=cfg.clip_range, weights=weights.to(x.device),
+                                   detach_advantages=cfg.detach_kl)
         info["teacher_kl"] = kl.detach().mean()
         if cfg.mar_beta > 0:
             mar = reduce_log_prob(sde_kl(v, v_mar, sigma, sigma_next, **kind), numel, cfg.logprob_reduction).mean()
@@ -200,15 +201,3 @@ class FlowOPD(GRPO):
         tail = super().describe().split(": ", 1)[1]
         return (f"flow_opd (Flow-OPD): reward {cfg.kl_scale:g} x KL to the teacher per step, {route}; MAR weight "
                 f"{cfg.mar_beta:g} ({'checkpoint' if cfg.mar else 'the reference'}); {tail}")
-
-
-def _ppo(log_prob, old, adv, clip_range, weights, *, detached: bool):
-    """PPO-clip with per-transition advantages; with an attached advantage the product keeps its gradient."""
-    if detached:
-        return ppo_clip_loss(log_prob, old, adv, clip_range=clip_range, weights=weights)
-    ratio = torch.exp(log_prob.float() - old.detach().float())
-    per = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range))
-    _, info = ppo_clip_loss(log_prob.detach(), old, adv.detach(), clip_range=clip_range, weights=weights)
-    loss = (weights * per).mean()
-    info["policy_loss"] = loss.detach()
-    return loss, info

@@ -62,6 +62,7 @@ def ppo_clip_loss(
     *,
     clip_range: float,
     weights: torch.Tensor | None = None,
+    detach_advantages: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip surrogate over a batch of trained transitions.
 
@@ -71,6 +72,8 @@ def ppo_clip_loss(
         advantages: ``[B]`` each transition's trajectory advantage (already clipped by phase 4).
         clip_range: ``ε`` (``algo.clip_range``).
         weights: optional ``[B]`` per-transition loss weights (Flash-GRPO's rectification); ``None`` = 1.
+        detach_advantages: ``False`` lets the gradient flow through ``advantages`` too (an advantage computed from
+            the policy itself, e.g. Flow-OPD's KL reward with ``algo.detach_kl=false``).
 
     Returns:
         ``(loss, stats)``: ``loss = mean(w · max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε)))`` (0-d, float32) and detached 0-d
@@ -90,7 +93,7 @@ def ppo_clip_loss(
                          f"{tuple(advantages.shape)} must have the same shape")
     log_ratio = log_prob.float() - old_log_prob.detach().float()
     ratio = torch.exp(log_ratio)
-    adv = advantages.detach().float()
+    adv = (advantages.detach() if detach_advantages else advantages).float()
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
     per_item = torch.maximum(unclipped, clipped)
