@@ -376,3 +376,24 @@ def test_compare_presets_passes_sigterm_to_the_run_and_waits_for_it(tmp_path):
         compare._run_forwarding_signals([sys.executable, "-c", child], log)
     assert got.read_text() == "term" and time.time() - start < 30
     assert signal.getsignal(signal.SIGTERM) == before  # our handler removed again
+
+
+def test_bench_streaming_times_the_cache_against_recomputing_and_checks_they_agree(tmp_path):
+    """Both ways generate the same stream (the JSON's agreement), the per-frame costs and their ratio are reported per
+    length, and the flatness and the ratio at the longest length are summarised; the PNG is written beside."""
+    bench = load_script("bench_streaming")
+    out = tmp_path / "stream.json"
+    report = bench.main(["--frames", "2,4", "--batch", "1", "--steps", "2", "--repeats", "1", "--threads", "1",
+                         "--out", str(out)])
+    rows = report["lengths"]
+    assert [r["latent_frames"] for r in rows] == [2, 4] and [r["pixel_frames"] for r in rows] == [5, 13]
+    for r in rows:
+        assert r["max_relative_difference"] < 1e-3
+        assert r["recompute_over_cached"] == pytest.approx(r["recompute_s_per_frame"] / r["cached_s_per_frame"])
+        assert r["cache_mb"] > 0
+    assert report["recompute_over_cached_at_longest"] == rows[-1]["recompute_over_cached"]
+    assert report["cached_flatness_longest_over_shortest"] == pytest.approx(
+        rows[-1]["cached_s_per_frame"] / rows[0]["cached_s_per_frame"])
+    assert json.loads(out.read_text()) == report and out.with_suffix(".png").is_file()
+    with pytest.raises(SystemExit, match="multiple of the block"):
+        bench.main(["--frames", "4", "--batch", "1", "--size", "wan21_1_3b", "--device", "cpu"])
