@@ -103,15 +103,14 @@ def _components(mask: np.ndarray, key: np.ndarray | None = None) -> tuple[np.nda
         first = np.full(n + 1, flat.size, dtype=np.int64)
         np.minimum.at(first, flat[on], on)
         firsts.append(first[1:])
-        pieces.append((lab, len(firsts) - 1))
+        pieces.append((lab, n))
     if not firsts:
         return out, 0
     order = np.argsort(np.concatenate(firsts), kind="stable")
     rank = np.empty_like(order)
     rank[order] = np.arange(1, len(order) + 1)
     start = 0
-    for lab, _ in pieces:
-        n = int(lab.max())
+    for lab, n in pieces:
         on = lab > 0
         out[on] = rank[start + lab[on] - 1]
         start += n
