@@ -368,3 +368,31 @@ def test_write_pass_stops_after_the_last_layer_stored_its_keys(data):
     assert ran == ["last_ffn", "head"]
     for h in hooks:
         h.remove()
+
+
+@torch.no_grad()
+def test_write_pass_runs_to_the_end_when_a_hook_expects_the_forward_to_return(data):
+    x, text = data
+    reference = CausalWan(tiny_wan(), block_frames=2)
+    reference.write(x[:, :, :2], text, frame_offset=0)
+    wan = CausalWan(tiny_wan(), block_frames=2)
+    last = wan.transformer.blocks[-1]
+    for module in (wan.transformer, last, last.attn1):
+        returned = []
+        hook = module.register_forward_hook(lambda *a: returned.append(True))
+        wan.reset()
+        wan.write(x[:, :, :2], text, frame_offset=0)
+        hook.remove()
+        assert returned == [True], type(module).__name__
+        assert all(torch.equal(a, b) for a, b in zip(wan.cache.keys, reference.cache.keys))
+    last.attn1._hf_hook = object()  # accelerate's hooks (CPU offload) wrap forward and restore after it returns
+    ran = []
+    hook = last.ffn.register_forward_hook(lambda *a: ran.append(True))
+    wan.reset()
+    wan.write(x[:, :, :2], text, frame_offset=0)
+    assert ran == [True]
+    del last.attn1._hf_hook
+    wan.reset()
+    wan.write(x[:, :, :2], text, frame_offset=0)
+    assert ran == [True]  # no hook on the cut modules: stops early again
+    hook.remove()

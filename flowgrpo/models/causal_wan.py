@@ -577,7 +577,7 @@ class CausalWan:
                      order=None if order == sorted(order) else torch.tensor(order, dtype=torch.long))
         if timestep is None:
             timestep = torch.full((x.shape[0],), 1000.0 * self.context_sigma, device=x.device)
-        call.stop_after_write = True
+        call.stop_after_write = self._may_stop_early()
         try:
             self._run(call, x, timestep, encoder_hidden_states)
         except _WriteDone:
@@ -585,6 +585,17 @@ class CausalWan:
         if any(k is None for k in written.keys):
             raise RuntimeError("the write pass did not reach every self-attention layer")
         self.cache = written
+
+    def _may_stop_early(self) -> bool:
+        """Whether a write pass may end at the last layer's keys: not when a forward hook (torch's, global or on
+        the modules that pass would leave mid-call, or accelerate's ``_hf_hook``, e.g. CPU offload) expects the
+        forward to return."""
+        model = self.transformer
+        last = model.blocks[-1]
+        cut = (model, last, last.attn1)
+        if torch.nn.modules.module._global_forward_hooks:
+            return False
+        return not any(m._forward_hooks or hasattr(m, "_hf_hook") for m in cut)
 
     def recache_start(self, switch_frame: int) -> int:
         """The first frame :meth:`recache` re-encodes for a prompt switch at ``switch_frame`` (block-aligned): the
