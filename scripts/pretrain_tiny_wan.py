@@ -47,6 +47,10 @@ tokens are identical keys and values in every cross-attention, so N of them act 
 log-uniform in [1, 512] otherwise (any ``max_sequence_length`` works). ``tests/test_pretrain_tiny_wan.py``
 checks the equality with the pipeline's forward.
 
+Continuing a saved pipeline: ``--init-from DIR --vae-steps 0`` starts the flow stage from DIR's weights (VAE, latent
+statistics, text encoder, transformer; fresh optimizer, EMA from those weights), and ``--tag-weights motion=3,...``
+draws the clips' tags with those relative weights instead of uniformly (the caption flaw is unchanged).
+
 Resume: ``<ckpt-dir>/last.pt`` is replaced atomically every ``--ckpt-every`` steps with weights, optimizer states,
 EMA, every RNG state and the log; a resumed run ends bit-identical to an uninterrupted one (same device, threads).
 """
@@ -228,9 +232,13 @@ def held_out_prompts(path: Path = TEST_PROMPTS) -> set[str]:
     return {json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()}
 
 
-def random_motion_metadata(rng: np.random.Generator) -> dict:
-    """One metadata dict: uniform tag, then uniform classes / colours / directions / speed / count."""
-    tag = MOTION_TAGS[int(rng.integers(len(MOTION_TAGS)))]
+def random_motion_metadata(rng: np.random.Generator, tag_probs: np.ndarray | None = None) -> dict:
+    """One metadata dict: a tag (uniform, or ``tag_probs`` over ``MOTION_TAGS``), then uniform classes / colours /
+    directions / speed / count."""
+    if tag_probs is None:
+        tag = MOTION_TAGS[int(rng.integers(len(MOTION_TAGS)))]
+    else:
+        tag = MOTION_TAGS[int(rng.choice(len(MOTION_TAGS), p=tag_probs))]
     classes = tuple(CLASSES[i] for i in rng.permutation(len(CLASSES))[:2])
     colors = tuple(list(PALETTE)[i] for i in rng.permutation(len(PALETTE))[:2])
     dirs = tuple(DIRECTIONS[int(i)] for i in rng.integers(len(DIRECTIONS), size=2))
@@ -243,11 +251,12 @@ def random_motion_metadata(rng: np.random.Generator) -> dict:
     return motion_metadata_for(tag, classes[0], colors[0], {"motion": dirs[0], "static": "still"}.get(tag))
 
 
-def render_batch(rng, batch: int, exclude: set[str], num_frames: int, opposite: float = 0.0, still: float = 0.0):
+def render_batch(rng, batch: int, exclude: set[str], num_frames: int, opposite: float = 0.0, still: float = 0.0,
+                 tag_probs: np.ndarray | None = None):
     """Fresh clips in [-1, 1] ``[B, 3, T, 64, 64]`` and their captions (with the caption flaw when asked)."""
     clips, prompts = [], []
     while len(prompts) < batch:
-        meta = random_motion_metadata(rng)
+        meta = random_motion_metadata(rng, tag_probs)
         if meta["prompt"] in exclude:
             continue
         shown = corrupt_motion(meta, rng, opposite, still) if opposite or still else meta
@@ -281,8 +290,25 @@ class Trainer:
         self.data_rng = np.random.default_rng(args.seed)
         self.bank: tuple[torch.Tensor, list[str]] | None = None  # encoded clips of the flow stage (flow_batch)
         self.exclude = held_out_prompts()
+        self.tag_probs = parse_tag_weights(args.tag_weights)
+        if args.init_from:
+            self.init_from(Path(args.init_from))
         torch.manual_seed(args.seed)
         random.seed(args.seed)
+
+    def init_from(self, path: Path) -> None:
+        """Start from a saved pipeline (its VAE, latent statistics, text encoder and transformer; the EMA starts at
+        its weights): the flow stage continues a trained pipeline with fresh optimizer state."""
+        if not (path / "model_index.json").exists():
+            raise SystemExit(f"--init-from {path}: no model_index.json there (a WanPipeline.save_pretrained directory)")
+        if self.args.vae_steps:
+            raise SystemExit(f"--init-from loads a trained VAE: pass --vae-steps 0 (got {self.args.vae_steps})")
+        src = WanPipeline.from_pretrained(path)
+        for name in ("vae", "transformer", "text_encoder"):
+            getattr(self.pipe, name).load_state_dict(getattr(src, name).state_dict())
+        self.vae.register_to_config(latents_mean=list(src.vae.config.latents_mean), latents_std=list(src.vae.config.latents_std))
+        self.vae.eval()
+        self.ema = [p.detach().clone() for p in self.flow_params]
 
     @property
     def total(self) -> int:
@@ -365,7 +391,8 @@ class Trainer:
     def fresh_latents(self, n: int) -> tuple[torch.Tensor, list[str]]:
         """``n`` freshly rendered clips (caption flaw included), encoded: latents ``[n, 16, F, h, w]`` and captions."""
         args = self.args
-        x, prompts = render_batch(self.data_rng, n, self.exclude, args.num_frames, args.opposite_prob, args.still_prob)
+        x, prompts = render_batch(self.data_rng, n, self.exclude, args.num_frames, args.opposite_prob, args.still_prob,
+                                  self.tag_probs)
         with torch.no_grad():
             return self.latents(x), prompts
 
@@ -469,6 +496,22 @@ class Trainer:
         save_pipeline(self.final_pipeline(), Path(self.args.out), summary)
 
 
+def parse_tag_weights(spec: str | None) -> np.ndarray | None:
+    """``"motion=3,speed=2"`` -> probabilities over ``MOTION_TAGS`` (tags not named weigh 1); None: uniform."""
+    if not spec:
+        return None
+    weights = dict.fromkeys(MOTION_TAGS, 1.0)
+    for item in spec.split(","):
+        tag, _, value = item.partition("=")
+        if tag.strip() not in weights or not value:
+            raise SystemExit(f"--tag-weights: {item!r} is not TAG=WEIGHT with TAG one of {', '.join(MOTION_TAGS)}")
+        weights[tag.strip()] = float(value)
+    w = np.array([weights[t] for t in MOTION_TAGS])
+    if (w < 0).any() or w.sum() <= 0:
+        raise SystemExit(f"--tag-weights {spec!r}: weights must be >= 0 and not all 0")
+    return w / w.sum()
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), default="asset", help="model sizes (toy: tests)")
@@ -489,6 +532,10 @@ def parse_args(argv=None):
     p.add_argument("--shift", type=float, default=3.0, help="timestep shift of the training sigmas (= sampler's)")
     p.add_argument("--opposite-prob", type=float, default=0.25, help="P(a named direction is shown reversed)")
     p.add_argument("--still-prob", type=float, default=0.15, help="P(a named direction is shown standing still)")
+    p.add_argument("--tag-weights", default=None, metavar="TAG=W,...",
+                   help="relative frequency of each prompt tag in the flow stage's clips (unnamed tags 1; default uniform)")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start the flow stage from a saved pipeline (with --vae-steps 0) instead of from scratch")
     p.add_argument("--cfg-dropout", type=float, default=0.1, help="probability of the empty prompt")
     p.add_argument("--ema", type=float, default=0.999, help="EMA decay of the shipped flow weights")
     p.add_argument("--seed", type=int, default=0)
@@ -521,7 +568,7 @@ def main(argv=None) -> Trainer:
         raise SystemExit(f"{flag} needs a checkpoint: {ckpt} does not exist (set --ckpt-dir)")
     if (args.resume or args.export_only or args.probe_vae) and ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        for key in ("size", "seed", "vae_steps", "batch", "vae_batch", "ink_weight", "bank_size", "bank_refresh", "opposite_prob", "still_prob", "num_frames"):
+        for key in ("size", "seed", "vae_steps", "batch", "vae_batch", "ink_weight", "bank_size", "bank_refresh", "opposite_prob", "still_prob", "num_frames", "tag_weights", "init_from"):
             if state["args"].get(key) != getattr(args, key):
                 print(f"[pretrain] warning: --{key.replace('_', '-')} {getattr(args, key)} differs from the checkpoint's {state['args'].get(key)}", flush=True)
         trainer.load_state_dict(state)

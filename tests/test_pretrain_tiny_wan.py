@@ -66,6 +66,46 @@ def test_resume_is_exact_and_export_loads_with_plain_from_pretrained(tmp_path, b
     assert json.loads((tmp_path / "a" / "pipe" / "pretrain_summary.json").read_text())["step"] == 5
 
 
+def test_init_from_continues_a_saved_pipeline_and_resumes_exactly(tmp_path):
+    """--init-from DIR: the flow stage starts at DIR's weights and latent statistics (no VAE stage), stops and resumes
+    bit-identically; without --vae-steps 0 or with a directory that is no pipeline, a clear exit."""
+    pw.main(_args(tmp_path / "base"))
+    base = WanPipeline.from_pretrained(tmp_path / "base" / "pipe")
+    cont = ["--init-from", str(tmp_path / "base" / "pipe"), "--vae-steps", "0", "--tag-weights", "motion=3,static=0"]
+    first = pw.Trainer(pw.parse_args(_args(tmp_path / "c", *cont)))
+    for p, q in zip(first.flow_params, [*base.transformer.parameters(), *base.text_encoder.parameters()]):
+        assert torch.equal(p, q)
+    for p, q in zip(first.vae.parameters(), base.vae.parameters()):
+        assert torch.equal(p, q)
+    assert first.vae.config.latents_std == base.vae.config.latents_std != [1.0] * 16
+    straight = pw.main(_args(tmp_path / "c", *cont))
+    pw.main(_args(tmp_path / "d", *cont, "--stop-at", "2"))
+    resumed = pw.main(_args(tmp_path / "d", *cont, "--resume"))
+    assert straight.step == resumed.step == 3
+    for p, q, b in zip(straight.flow_params, resumed.flow_params, base.transformer.parameters()):
+        assert torch.equal(p, q)
+    assert any(not torch.equal(p, b) for p, b in zip(straight.pipe.transformer.parameters(), base.transformer.parameters()))
+    with pytest.raises(SystemExit, match="--vae-steps 0"):
+        pw.Trainer(pw.parse_args(_args(tmp_path / "e", "--init-from", str(tmp_path / "base" / "pipe"))))
+    with pytest.raises(SystemExit, match="model_index.json"):
+        pw.Trainer(pw.parse_args(_args(tmp_path / "e", "--init-from", str(tmp_path), "--vae-steps", "0")))
+
+
+def test_tag_weights_set_the_tag_mix_of_the_clips():
+    import numpy as np
+
+    probs = pw.parse_tag_weights("motion=3,static=0")
+    assert probs is not None and probs[pw.MOTION_TAGS.index("static")] == 0 and probs.sum() == pytest.approx(1)
+    rng = np.random.default_rng(0)
+    tags = [pw.random_motion_metadata(rng, probs)["tag"] for _ in range(2000)]
+    assert "static" not in tags
+    assert tags.count("motion") / len(tags) == pytest.approx(3 / 7, abs=0.04)  # 3 of 3 + 1 + 1 + 1 + 1 + 0
+    assert pw.parse_tag_weights(None) is None
+    for bad in ("walking=2", "motion", "motion=-1", "motion=0,two_object_motion=0,counting=0,colors=0,speed=0,static=0"):
+        with pytest.raises(SystemExit, match="--tag-weights"):
+            pw.parse_tag_weights(bad)
+
+
 def test_unclamped_decode_matches_the_vae_inside_the_range():
     torch.manual_seed(0)
     vae = pw.build_pipeline("toy").vae.eval()
