@@ -210,6 +210,16 @@ def collapsed_velocity(transformer, x, timestep, embeds, lengths, pad_counts):
         transformer.set_attn_processor(processors)
 
 
+def normalised_latents(vae: AutoencoderKLWan, x: torch.Tensor, sample: bool = True) -> torch.Tensor:
+    """Latents of clips ``x`` in [-1, 1] as the pipeline uses them: (z - latents_mean) / latents_std, per channel; z a
+    posterior sample (``sample``) or its mean."""
+    dist = vae.encode(x).latent_dist
+    z = dist.sample() if sample else dist.mean
+    mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
+    return (z - mean) / std
+
+
 def decode_unclamped(vae: AutoencoderKLWan, z: torch.Tensor) -> torch.Tensor:
     """``vae.decode(z)`` without its final clamp to [-1, 1]. The clamp has zero gradient outside the range, and the
     world's white background sits exactly at +1: trained through it, a decoder that overshoots white gets no
@@ -347,12 +357,7 @@ class Trainer:
         save_state(self.state_dict(), Path(self.args.ckpt_dir))
 
     def latents(self, x: torch.Tensor, sample: bool = True) -> torch.Tensor:
-        """Normalised latents as the pipeline uses them: (z - latents_mean) / latents_std, per channel."""
-        dist = self.vae.encode(x.to(self.device)).latent_dist
-        z = dist.sample() if sample else dist.mean
-        mean = torch.tensor(self.vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
-        std = torch.tensor(self.vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
-        return (z - mean) / std
+        return normalised_latents(self.vae, x.to(self.device), sample)
 
     def vae_step(self) -> dict:
         args = self.args

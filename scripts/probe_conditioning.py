@@ -33,11 +33,10 @@ from diffusers import WanPipeline
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pretrain_tiny_wan as pw  # noqa: E402
 
-from flowgrpo.world import CLASSES, DIRECTIONS, PALETTE  # noqa: E402
+from flowgrpo.world import CLASSES, DIRECTIONS, PALETTE, motion_metadata_for  # noqa: E402
+from flowgrpo.world.motion import OPPOSITE, UNIT  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-OPPOSITE = {"left": "right", "right": "left", "up": "down", "down": "up"}
-UNIT = {"left": (-1.0, 0.0), "right": (1.0, 0.0), "up": (0.0, -1.0), "down": (0.0, 1.0)}
 SIGMAS = (0.95, 0.85, 0.7, 0.5, 0.3)
 
 
@@ -58,13 +57,9 @@ def loss_gap(pipe: WanPipeline, clips: int = 64, sigmas=SIGMAS, kinds=("directio
     (text padded to ``max_sequence_length`` tokens as ``model=wan_shapes`` runs the pipeline)."""
     rng = np.random.default_rng(seed)
     generator = torch.Generator().manual_seed(seed)
-    only_motion = pw.parse_tag_weights(",".join(f"{t}=0" for t in pw.MOTION_TAGS if t != "motion"))
+    only_motion = np.eye(len(pw.MOTION_TAGS))[pw.MOTION_TAGS.index("motion")]
     x, prompts = pw.render_batch(rng, clips, set(), num_frames, tag_probs=only_motion)
-    vae = pipe.vae
-    z = vae.encode(x.to(vae.dtype)).latent_dist.mean
-    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
-    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
-    x0 = (z - mean) / std
+    x0 = pw.normalised_latents(pipe.vae, x.to(pipe.vae.dtype), sample=False)
 
     def per_clip_loss(captions, xt, noise, sigma):
         embeds, lengths = pw.encode_text(pipe, captions)
@@ -96,9 +91,8 @@ def direction_probe(pipe: WanPipeline, samples: int = 8, steps: int = 10, guidan
     along, speed, passed = [], [], []
     for cls, color in pairs:
         for direction in DIRECTIONS:
-            prompt = f"a {color} {cls} moving {direction}"
-            meta = {"tag": "motion", "prompt": prompt, "include": [{"class": cls, "count": 1, "color": color, "motion": direction}]}
-            frames = pipe(prompt=[prompt] * samples, num_inference_steps=steps, guidance_scale=guidance_scale,
+            meta = motion_metadata_for("motion", cls, color, direction)
+            frames = pipe(prompt=[meta["prompt"]] * samples, num_inference_steps=steps, guidance_scale=guidance_scale,
                           num_frames=num_frames, height=64, width=64, max_sequence_length=16,
                           generator=torch.Generator().manual_seed(seed), output_type="np").frames  # fmt: skip
             videos = (np.asarray(frames) * 255).round().astype(np.uint8)
