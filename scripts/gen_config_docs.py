@@ -45,7 +45,7 @@ CONF = REPO / "conf"
 #: Config groups in the order the reference lists them (the keys of flowgrpo.config.GROUP_SCHEMAS).
 GROUP_ORDER = ("model", "sampler", "algo", "reward", "data", "logger", "trainer")
 #: Preset groups without a schema of their own (``# @package _global_`` files that set keys of the groups above).
-PRESET_GROUPS = ("experiment", "debug", "model_defaults")
+PRESET_GROUPS = ("experiment", "experiment_algo", "debug", "model_defaults")
 
 
 # ------------------------------------------------------------------------------------------ source comments
@@ -240,13 +240,13 @@ def _option_line(path: Path) -> tuple[str, str]:
 
 
 def _options(group: str) -> list[str]:
-    files = sorted((CONF / group).glob("*.yaml"))
+    files = sorted((CONF / group).rglob("*.yaml"))  # experiment_algo nests <experiment>/<algo>.yaml
     if not files:
         return []
     out = ["| option | command | what |", "|---|---|---|"]
     for path in files:
         command, desc = _option_line(path)
-        out.append(f"| `{path.stem}` | `{command}` | {_cell(desc)} |")
+        out.append(f"| `{path.relative_to(CONF / group).with_suffix('').as_posix()}` | `{command}` | {_cell(desc)} |")
     return out
 
 
@@ -297,7 +297,9 @@ def render() -> str:
         lines.append("")
     lines += ["## Presets {#presets}", "",
               "`experiment=NAME` applies a named recipe after the groups; `debug=NAME` applies a debugging preset "
-              "last; `model_defaults/<model>.yaml` is applied automatically with its model, before both. The command "
+              "last; `model_defaults/<model>.yaml` is applied automatically with its model, before both; "
+              "`experiment_algo/<experiment>/<algo>.yaml` holds a recipe's knobs for its own algorithm and is applied "
+              "only while that algorithm is chosen (`experiment=E algo=X` runs X at its defaults). The command "
               "line wins over all of them.", ""]
     for group in PRESET_GROUPS:
         lines += [f"### `{group}`", ""] + _options(group) + [""]

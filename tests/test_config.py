@@ -20,7 +20,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 import rewards
-from flowgrpo.algorithms import build_algorithm
+from flowgrpo.algorithms import ALGORITHMS, build_algorithm
 from flowgrpo.build import (REPO_ROOT, Sampler, batch_plan, build_adapter, build_logger, build_prompts, build_reward,
                             build_sampler, model_kwargs)
 from flowgrpo.config import GROUP_SCHEMAS, ConfigError, algo_schema, validate
@@ -558,6 +558,28 @@ def test_an_explicit_choice_is_never_rewritten(hydra_compose):
     assert knobs("experiment=flow_grpo_shapes", "algo.timestep_fraction=1")[1] == 1.0  # the command line wins
     assert knobs() == (0.0, 1.0, "random")  # the default MixGRPO run
     assert not (CONF / "method_defaults").exists()
+
+
+@pytest.mark.parametrize("option", sorted(ALGORITHMS))
+def test_a_recipe_runs_every_algorithm_at_that_algorithms_defaults(hydra_compose, option):
+    """``experiment=video_shapes algo=X``: the recipe's world (model, reward, data, budget) with X at its own
+    defaults; the recipe's knobs for its own algorithm (conf/experiment_algo/video_shapes/grpo.yaml) apply only to it."""
+    world = ["experiment=video_shapes", f"algo={option}"]
+    if ALGORITHMS[option].streaming:  # a streaming algorithm needs a streaming model: a clear error, not a key error
+        with pytest.raises(ConfigError, match="streaming"):
+            validate(hydra_compose(world))
+        return
+    cfg = hydra_compose(world + (["+algo.teachers.t=conf"] if option == "flow_opd" else []))
+    validate(cfg)
+    assert (cfg.model.pretrained, cfg.reward.name, cfg.trainer.prompts_per_iteration) == ("assets/tiny-wan-shapes",
+                                                                                  "video_geneval", 4)
+    own = hydra_compose(["experiment=video_shapes"]).algo
+    assert (own.name, own.timestep_fraction, own.timestep_selection) == ("grpo", 0.3, "first")
+    if option != "grpo":
+        defaults = hydra_compose([f"algo={option}"] + (["+algo.teachers.t=conf"] if option == "flow_opd" else [])).algo
+        assert OmegaConf.to_container(cfg.algo) == OmegaConf.to_container(defaults)
+    # the command line still wins over the recipe's knobs
+    assert hydra_compose(["experiment=video_shapes", "algo.timestep_fraction=0.5"]).algo.timestep_fraction == 0.5
 
 
 def test_help_lists_the_recipes_and_no_hidden_groups(tmp_path):
