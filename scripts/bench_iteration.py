@@ -45,8 +45,14 @@ ALGORITHMS = {
     # DanceGRPO's rollout and steps with pairwise win-rate advantages and the normalised ratio
     "pref_grpo": ["algo=pref_grpo", "sampler=dance"],
     "dgpo": ["algo=dgpo"],  # ODE rollouts; 4 of the first 5 noise levels, whole groups per micro-batch
-    # (algo=flow_opd is not a row: it distils teacher runs, which a fresh checkout does not have; per iteration it
-    # costs Flow-GRPO's update plus one teacher and one MAR forward per trained step)
+    # the default run with SLAS's advantages (experiment=slas_shapes) and with CGPO's curriculum drawing its prompts
+    # (experiment=cgpo_shapes): neither changes the rollout or the update, so both should cost MixGRPO's iteration
+    "slas": ["algo=mix_grpo", "sampler=mix_sde", "algo.slas_gamma=0.5"],
+    "cgpo": ["algo=mix_grpo", "sampler=mix_sde", "data.sampling=cgpo"],
+    # Flow-OPD at its defaults (9 of 10 SDE steps trained): Flow-GRPO's update plus one teacher and one regulariser
+    # forward per trained step. It distils teacher runs; for the timing the row makes two untrained ones (checkpoints
+    # of the model at iteration 0), which cost what trained ones cost.
+    "flow_opd": ["algo=flow_opd", "sampler=sde"],
     # MixGRPO with its window frozen at the last position (start = T − w, set in bench_algorithm): the shared-noise
     # ODE prefix is longest there, so this row shows what computing it once per prompt saves
     "mix_grpo_late": ["algo=mix_grpo", "sampler=mix_sde", "algo.window.schedule=frozen"],
@@ -158,11 +164,28 @@ def compose(overrides: list[str]):
         return hydra_compose("train", overrides=overrides)
 
 
+def untrained_teachers(overrides: list[str], out_dir: Path, names=("a", "b")) -> list[str]:
+    """``+algo.teachers.NAME=DIR`` for Flow-OPD's row: a checkpoint of the model at iteration 0 per name (the same
+    model set-up as the row, so the student loads it), for timing a distillation without training teachers first."""
+    from flowgrpo.trainer import Trainer
+
+    recipe = ["algo=grpo", "sampler=sde"]
+    out = []
+    for name in names:
+        run = out_dir / f"teacher_{name}"
+        cfg = compose([*scoped(overrides, recipe), *recipe, f"trainer.output_dir={run}", "logger=none",
+                       "trainer.eval_before=false", "trainer.eval_every=0", "trainer.gallery_every=0"])
+        Trainer(cfg, run).save_checkpoint()
+        out.append(f"+algo.teachers.{name}={run}")
+    return out
+
+
 def bench_algorithm(name: str, overrides: list[str], iterations: int, warmup: int, out_dir: Path) -> dict:
     from flowgrpo.trainer import Trainer
 
-    cfg = compose([*scoped(overrides, ALGORITHMS[name]), *ALGORITHMS[name], f"trainer.output_dir={out_dir / name}", "logger=none",
-                   "trainer.eval_before=false", "trainer.eval_every=0", "trainer.gallery_every=0"])
+    teachers = untrained_teachers(overrides, out_dir / name) if "algo=flow_opd" in ALGORITHMS[name] else []
+    cfg = compose([*scoped(overrides, ALGORITHMS[name]), *ALGORITHMS[name], *teachers, f"trainer.output_dir={out_dir / name}",
+                   "logger=none", "trainer.eval_before=false", "trainer.eval_every=0", "trainer.gallery_every=0"])
     if name == "mix_grpo_late":
         from flowgrpo.algorithms.mix_grpo import default_window_size
 

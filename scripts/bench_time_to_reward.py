@@ -39,7 +39,9 @@ RECIPES = {name: overrides for name, overrides in ALGORITHMS.items() if name != 
 RECIPES["flow_grpo"] = ["algo=grpo", "sampler=sde", "algo.timestep_fraction=0.3", "algo.timestep_selection=first"]
 RECIPES["dance_grpo"] = ["algo=dance_grpo", "sampler=dance"]  # = experiment=dance_grpo_shapes's algorithm and sampler
 RECIPES["grpo_guard"] = ["algo=grpo_guard", "sampler=sde", *RECIPES["flow_grpo"][2:]]  # = experiment=grpo_guard_shapes
-TRAINING = list(RECIPES)
+# Flow-OPD distils teacher runs, which the benchmark does not train: it runs only when named in --algorithms and
+# given its teachers, --set flow_opd:+algo.teachers.NAME=RUN_DIR (one per teacher, trained with the same model)
+TRAINING = [name for name in RECIPES if name != "flow_opd"]
 
 
 def run(algorithm: str, seed: int, args, out_dir: Path) -> dict:
@@ -110,6 +112,9 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [n for n in names if n not in RECIPES]
     if unknown:
         raise SystemExit(f"--algorithms: unknown {unknown}; known: {', '.join(RECIPES)}")
+    if "flow_opd" in names and not any(s.startswith("flow_opd:+algo.teachers.") for s in args.set):
+        raise SystemExit("--algorithms flow_opd distils teacher runs: give each with --set "
+                         "flow_opd:+algo.teachers.NAME=RUN_DIR (a run of the same model, one per reward)")
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     report = {"model": args.model, "reward": args.reward, "metric": args.metric, "target": args.target,
               "seeds": seeds, "max_iterations": args.max_iterations, "eval_every": args.eval_every,

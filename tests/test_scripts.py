@@ -28,7 +28,7 @@ def test_bench_iteration_reports_every_algorithm_side_by_side(tmp_path):
     out = tmp_path / "bench.json"
     report = bench.main([
         "--model", "tiny_sd3", "--reward", "jpeg_compressibility",
-        "--iterations", "1", "--warmup", "0", "--algorithms", "flow_grpo,mix_grpo,flash_grpo,flash_grpo_fast,mix_grpo_late",
+        "--iterations", "1", "--warmup", "0", "--algorithms", "flow_grpo,mix_grpo,flash_grpo,flash_grpo_fast,mix_grpo_late,slas,cgpo,flow_opd",
         "--threads", "1",
         "--out", str(out), "--set", "sampler.num_steps=4", "--set", "mix_grpo:algo.window.size=2",
         "--set", "mix_grpo:algo.window.start=1", "--set", "trainer.prompts_per_iteration=2", "--set", "trainer.group_size=2",
@@ -36,7 +36,8 @@ def test_bench_iteration_reports_every_algorithm_side_by_side(tmp_path):
     ])
     assert out.is_file()
     algos = report["algorithms"]
-    assert set(algos) == {"flow_grpo", "mix_grpo", "flash_grpo", "flash_grpo_fast", "mix_grpo_late"}
+    assert set(algos) == {"flow_grpo", "mix_grpo", "flash_grpo", "flash_grpo_fast", "mix_grpo_late", "slas", "cgpo",
+                          "flow_opd"}
     # window frozen at start T − w = 2 of 4: the 2-step prefix and the window's first velocity run once per prompt
     # (2 prompts) instead of per sample
     assert algos["mix_grpo_late"]["rollout_nfe"] == 2 * (2 + 1) + 4 * 1
@@ -58,6 +59,14 @@ def test_bench_iteration_reports_every_algorithm_side_by_side(tmp_path):
     assert algos["flash_grpo"]["rollout_nfe"] == 16 and 6 <= algos["flash_grpo_fast"]["rollout_nfe"] <= 8
     assert algos["flash_grpo_fast"]["trained_transitions"] == 4
     assert report["pipeline"]["nfe"] == 4 and report["pipeline"]["rollout_over_pipeline"] > 0
+    # SLAS (advantages) and CGPO (which prompts) leave MixGRPO's rollout and update as they are
+    for name in ("slas", "cgpo"):
+        assert (algos[name]["rollout_nfe"], algos[name]["trained_transitions"]) == (12, 8)
+        assert algos[name]["algorithm"].startswith("mix_grpo")
+    assert "SLAS, gamma=0.5" in algos["slas"]["algorithm"] and "SLAS" not in algos["cgpo"]["algorithm"]
+    # Flow-OPD distils two teachers the row makes itself: Flow-GRPO's rollout, int(4 · 0.9) = 3 trained steps per row
+    assert algos["flow_opd"]["rollout_nfe"] == 16 and algos["flow_opd"]["trained_transitions"] == 12
+    assert algos["flow_opd"]["transformer_calls"] > algos["flow_grpo"]["transformer_calls"] * 12 / 16
 
 
 
@@ -106,6 +115,13 @@ def test_bench_time_to_reward_writes_curves_per_seed(tmp_path):
     assert bench.compose(bench.RECIPES["flow_grpo"]).algo.timestep_fraction == 0.3
     guard = bench.compose(bench.RECIPES["grpo_guard"]).algo  # experiment=grpo_guard_shapes's algorithm
     assert (guard.name, guard.timestep_fraction, guard.timestep_selection) == ("grpo_guard", 0.3, "first")
+    # Flow-OPD distils teacher runs the benchmark does not train: not a default row, and without teachers it stops
+    # before any run, naming the flag
+    assert "flow_opd" in bench.RECIPES and "flow_opd" not in bench.TRAINING and {"slas", "cgpo"} <= set(bench.TRAINING)
+    with pytest.raises(SystemExit, match=r"flow_opd:\+algo\.teachers\.NAME=RUN_DIR"):
+        bench.main(["--algorithms", "flow_opd", "--out", str(tmp_path / "opd.json")])
+    assert not (tmp_path / "opd.json").exists()
+
     def row(reached, seconds):
         return bench.summarise([{"reached": r, "seconds": seconds, "iterations": 5} for r in reached], 3)
 
