@@ -75,7 +75,7 @@ def first_steps(batch):
 def test_reward_is_minus_the_exact_gaussian_kl_and_zero_when_the_student_is_the_teacher(tmp_path):
     teacher = torch.tensor([0.3, -0.2, 0.1])
     ctx = Toy({"t": teacher})
-    algo = FlowOPD(SIGMAS, teachers={"t": "t"}, mar_beta=0.0, cold_start=False)
+    algo = FlowOPD(SIGMAS, teachers={"t": "t"}, mar_beta=0.0, cold_start=False, kl_reward="exact")
     batch = rolled(algo, ctx)
     rows, steps = torch.arange(4), first_steps(batch)
     loss, info = algo.loss(ctx, batch, rows, steps)
@@ -89,12 +89,13 @@ def test_reward_is_minus_the_exact_gaussian_kl_and_zero_when_the_student_is_the_
     kl = torch.distributions.kl_divergence(normal(mine.mean, std), normal(theirs.mean, std)).flatten(1).sum(1) / 12
     assert info["teacher_kl"].item() == pytest.approx(kl.mean().item(), rel=1e-4)
     assert info["policy_loss"].item() == pytest.approx(kl.clamp(max=5).mean().item(), rel=1e-4)  # −A·ρ, ρ = 1
-    # the student is the teacher: no advantage, no loss
-    same = FlowOPD(SIGMAS, teachers={"me": "me"}, mar_beta=0.0, cold_start=False)
+    # the student is the teacher: no advantage, no loss, with either reward
     ctx.stored["me"] = ctx.theta.detach().clone()
     batch.plan.info["teacher"] = "me"
-    loss, info = same.loss(ctx, batch, rows, steps)
-    assert info["teacher_kl"].item() == 0 and loss.item() == 0
+    for reward in ("exact", "sampled"):
+        same = FlowOPD(SIGMAS, teachers={"me": "me"}, mar_beta=0.0, cold_start=False, kl_reward=reward)
+        loss, info = same.loss(ctx, batch, rows, steps)
+        assert info["teacher_kl"].item() == 0 and loss.item() == 0
 
 
 def test_detaching_the_reward_leaves_the_policy_gradient_and_attaching_adds_the_kl_pull():
@@ -102,7 +103,8 @@ def test_detaching_the_reward_leaves_the_policy_gradient_and_attaching_adds_the_
     grads = {}
     for detach in (True, False):
         ctx = Toy({"t": teacher})
-        algo = FlowOPD(SIGMAS, teachers={"t": "t"}, mar_beta=0.0, cold_start=False, detach_kl=detach)
+        algo = FlowOPD(SIGMAS, teachers={"t": "t"}, mar_beta=0.0, cold_start=False, kl_reward="exact",
+                       detach_kl=detach)
         batch = rolled(algo, ctx)
         rows, steps = torch.arange(4), first_steps(batch)
         loss, info = algo.loss(ctx, batch, rows, steps)
@@ -121,6 +123,62 @@ def test_detaching_the_reward_leaves_the_policy_gradient_and_attaching_adds_the_
     (g_kl,) = torch.autograd.grad(kl.mean(), ctx.theta)
     torch.testing.assert_close(grads[True], g_pg, rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(grads[False], g_pg + g_kl, rtol=1e-4, atol=1e-7)  # −kl_scale·∇KL, kl_scale = −1
+
+
+def _one_state_many_steps(algo: FlowOPD, ctx: Toy, n: int):
+    """``n`` rows in the same state ``x`` at the first trained step, each with its own step ``x' ~ π_θ(·|x)``
+    (the old policy is the current one: ρ = 1)."""
+    plan = algo.plan(n // 2, 2, generator=gen(4))
+    k = int(plan.train_mask[0].to(torch.uint8).argmax())
+    x = torch.randn(1, 3, 2, 2, generator=gen(6)).expand(n, -1, -1, -1)
+    latents = torch.zeros(n, plan.sigmas.shape[0], 3, 2, 2)
+    log_probs = torch.zeros(n, plan.sigmas.shape[0] - 1)
+    with torch.no_grad():
+        out = sde_step(ctx.velocity(x, None, None), x, SIGMAS[k], SIGMAS[k + 1], generator=gen(7))
+    latents[:, k], latents[:, k + 1], log_probs[:, k] = x, out.prev_sample, out.log_prob
+    batch = Batch(prompts=["p"] * n, metadata=None, global_rows=torch.arange(n), cond=_Cond(), plan=plan,
+                  latents=latents, log_probs=log_probs)
+    batch.advantages = torch.zeros(n)
+    return batch, torch.arange(n), torch.full((n,), k)
+
+
+def test_the_sampled_reward_has_the_kl_gradient_in_expectation_and_the_detached_exact_kl_has_none():
+    """The defining identity of the dense reward: over steps x' ~ π_θ(·|x), the detached log-ratio's policy gradient
+    is ∇KL (the exact KL's direct pull), while the detached closed-form KL — a function of x alone — gives none."""
+    teacher = torch.tensor([0.3, -0.2, 0.1])
+    n = 20000
+    grads = {}
+    for reward, detach in (("sampled", True), ("exact", True), ("exact", False)):
+        ctx = Toy({"t": teacher})
+        algo = FlowOPD(SIGMAS, teachers={"t": "t"}, mar_beta=0.0, cold_start=False, kl_reward=reward,
+                       detach_kl=detach, adv_clip=1e6)
+        batch, rows, steps = _one_state_many_steps(algo, ctx, n)
+        loss, info = algo.loss(ctx, batch, rows, steps)
+        loss.backward()
+        grads[reward, detach] = ctx.theta.grad.clone()
+    pull = grads["exact", False] - grads["exact", True]  # ∇KL: the attached KL minus its policy-gradient part
+    assert pull.norm() > 0
+    torch.testing.assert_close(grads["sampled", True], pull, rtol=0.05, atol=0.05 * pull.norm().item())
+    assert grads["exact", True].norm() < 0.05 * pull.norm()  # zero up to Monte Carlo noise
+    # the sampled reward averages to the KL itself
+    ctx = Toy({"t": teacher})
+    algo = FlowOPD(SIGMAS, teachers={"t": "t"}, mar_beta=0.0, cold_start=False, adv_clip=1e6)
+    batch, rows, steps = _one_state_many_steps(algo, ctx, n)
+    x = batch.latents[rows, steps]
+    with torch.no_grad():
+        mine = sde_step(ctx.velocity(x, None, None), x, SIGMAS[steps], SIGMAS[steps + 1], prev_sample=batch.latents[rows, steps + 1])
+        theirs = sde_step(teacher.view(1, -1, 1, 1) + 0.5 * x, x, SIGMAS[steps], SIGMAS[steps + 1],
+                          prev_sample=batch.latents[rows, steps + 1])
+        _, info = algo.loss(ctx, batch, rows, steps)
+    assert (mine.log_prob - theirs.log_prob).mean().item() == pytest.approx(info["teacher_kl"].item() * 12, rel=0.05)
+
+
+def test_an_attached_sampled_reward_is_refused_naming_both_keys():
+    from flowgrpo.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"algo\.detach_kl=false .*algo\.kl_reward=exact"):
+        FlowOPD(SIGMAS, teachers={"t": "t"}, detach_kl=False)
+    assert FlowOPD(SIGMAS, teachers={"t": "t"}).kl_reward == "sampled"
 
 
 def test_routing_alternates_per_iteration_or_follows_the_metadata():

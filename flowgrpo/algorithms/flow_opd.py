@@ -6,22 +6,33 @@ step), each prompt is routed to a teacher, and the teacher's Gaussian transition
 per-step reward, the negative reverse KL
 
     KL_t = KL(π_θ(·|x_t) ‖ π_T(·|x_t)) = ‖μ_θ − μ_T‖² / (2 s²)      (student and teacher share the kernel's std s)
-    A_t  = clip(kl_scale · KL_t  [+ task_weight · A_group], ±adv_clip)         kl_scale = −1: the reward is −KL
+    A_t  = clip(kl_scale · r_t  [+ task_weight · A_group], ±adv_clip)          kl_scale = −1: the reward is −KL
     L    = mean( max(−A_t·ρ, −A_t·clip(ρ, 1 ± ε)) ) + mar_beta · KL(π_θ ‖ π_MAR)
 
 with Flow-GRPO's per-step ratio ``ρ`` and PPO clip. The last term, MAR (the paper's manifold regulariser), keeps the
 student near a task-agnostic policy on all data: the reference (LoRA disabled) unless ``algo.mar`` names a checkpoint.
-The KL is the exact closed form (``samplers.sde_kl``), on the scale of ``algo.logprob_reduction`` (per latent element
-by default). The authors' code drops the step's ``|Δσ|`` from it (so its values are ``KL/|Δσ|``) and keeps the KL's
-gradient in the advantage; here ``A_t`` is detached (``algo.detach_kl``), as the paper says it must be — with it
-attached, the gradient gains a direct ``−kl_scale·ρ·∇KL_t`` pull towards the teacher (the GKD objective).
+
+What ``r_t`` is (``algo.kl_reward``) decides whether the distillation learns at all:
+
+* ``exact``: the closed-form ``KL_t`` (``samplers.sde_kl``, on the scale of ``algo.logprob_reduction``). It depends on
+  the state ``x_t`` only, not on the step ``x_{t+1}`` taken from it, so as a detached advantage (``algo.detach_kl``,
+  what the paper prescribes) its policy gradient ``E[A_t ∇log π_θ(x_{t+1}|x_t)]`` is zero: the distillation term
+  only adds noise and MAR pulls the student back to the reference (measured: the held-out scores stay at the base
+  model's). The authors' code keeps the KL's gradient in the advantage (``algo.detach_kl=false``): the loss then
+  gains a direct ``−kl_scale·ρ·∇KL_t`` pull towards the teacher (the GKD objective), which is what moves their
+  student; it also drops the step's ``|Δσ|`` from the KL (their values are ``KL/|Δσ|``).
+* ``sampled`` (default): the log-ratio of the step actually taken, ``log π_θ(x_{t+1}|x_t) − log π_T(x_{t+1}|x_t)``,
+  summed over the sample's latent elements and detached — the on-policy distillation estimator. Its mean over
+  ``x_{t+1} ~ π_θ`` is ``KL_t``, and because it depends on the step taken its policy gradient on the reduced ratio is
+  ``E[r_t ∇log π_θ] = ∇KL_t`` on the ratio's scale: in expectation the authors' direct pull, reached through the
+  likelihood ratio with the reward detached, as the paper asks.
 
 Routing (``algo.routing``): ``alternate``, the authors' multi-task loop — each iteration distils one teacher, cycling
 through ``algo.schedule`` (teacher names; repeat a name to give it more iterations; empty = each teacher once, in
 ``algo.teachers`` order); ``metadata`` — each prompt's teacher is its metadata field ``algo.route_key``.
 ``algo.task_weight > 0`` adds the group advantage of the task reward (the authors' "mixed" mode).
 
-Defaults are the authors' (``CostaliyA/Flow-OPD``, ``mix_opd_8gpu``): Flow-GRPO's kernel on every step, 9 of 10 steps
+Defaults are the authors' (``CostaliyA/Flow-OPD``, ``mix_opd_8gpu``) except ``kl_reward``: Flow-GRPO's kernel on every step, 9 of 10 steps
 trained, ``clip_range 1e-4``, ``kl_scale −1``, ``adv_clip 5``, MAR weight 0.04 against the base model, and their
 best cold start (``algo.cold_start``): before the first rollout the student's trainable weights become the average of
 the teachers' (each tensor averaged, as their LoRA merge); a resumed run keeps its own.
@@ -36,9 +47,9 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-from samplers import sde_kl
+from samplers import sde_kl, sde_step
 
-from ..config import _knob
+from ..config import ConfigError, _knob
 from .base import Batch, UpdateContext
 from .grpo import GRPO, GRPOConfig
 from .losses import ppo_clip_loss, reduce_log_prob
@@ -47,6 +58,7 @@ from .old_policy import OldPolicy
 __all__ = ["FlowOPDConfig", "FlowOPD"]
 
 ROUTINGS = ("alternate", "metadata")
+KL_REWARDS = ("sampled", "exact")
 
 
 @dataclass
@@ -61,11 +73,19 @@ class FlowOPDConfig(GRPOConfig):
     schedule: List[str] = field(default_factory=list)  # alternate: teacher names cycled per iteration; [] = each once
     route_key: str = "task"  # metadata: the prompt metadata field naming its teacher
     kl_scale: float = -1.0  # A_t = kl_scale * KL_t (negative: the reward is -KL)
+    kl_reward: str = _knob("sampled", choices=KL_REWARDS)  # sampled: log-ratio at the taken step; exact: closed-form KL
     task_weight: float = _knob(0.0, ge=0)  # > 0: add the task reward's group advantage (the authors' mixed mode)
-    detach_kl: bool = True  # the dense reward carries no gradient (the paper); false: the authors' code
+    detach_kl: bool = True  # kl_reward=exact: the reward carries no gradient (the paper); false: the authors' code
     mar_beta: float = _knob(0.04, ge=0)  # weight of KL(pi_theta || pi_MAR) on all data
     mar: Optional[str] = None  # checkpoint of the MAR policy; null = the reference (LoRA disabled)
     cold_start: bool = True  # start the student at the average of the teachers' trainable weights
+
+
+def _attached_sampled_reward(kl_reward: str, detach_kl: bool) -> str | None:
+    if kl_reward == "sampled" and not detach_kl:
+        return ("algo.detach_kl=false is the exact KL's direct pull (algo.kl_reward=exact); the sampled reward is a "
+                "log-ratio with no gradient: set algo.kl_reward=exact, or drop algo.detach_kl")
+    return None
 
 
 class FlowOPD(GRPO):
@@ -84,6 +104,9 @@ class FlowOPD(GRPO):
         cfg = self.cfg
         if not cfg.teachers:
             raise ValueError("algo=flow_opd needs algo.teachers={name: checkpoint} (runs trained on one reward each)")
+        contradiction = _attached_sampled_reward(cfg.kl_reward, cfg.detach_kl)
+        if contradiction:
+            raise ConfigError(contradiction)
         unknown = [s for s in cfg.schedule if s not in cfg.teachers]
         if unknown:
             raise ValueError(f"algo.schedule names {unknown}, which algo.teachers does not have "
@@ -103,7 +126,8 @@ class FlowOPD(GRPO):
         if algo_cfg.mar:
             paths["algo.mar"] = algo_cfg.mar
         errors += [f"{key}={path}: no such run or checkpoint" for key, path in paths.items() if not Path(path).exists()]
-        return errors
+        contradiction = _attached_sampled_reward(algo_cfg.get("kl_reward", "sampled"), algo_cfg.get("detach_kl", True))
+        return errors + ([contradiction] if contradiction else [])
 
     # ------------------------------------------------------------------------------------------ phases
 
@@ -173,7 +197,14 @@ class FlowOPD(GRPO):
         numel = x[0].numel()
         kind = dict(kernel=plan.kernel, noise_level=plan.noise_level)
         kl = reduce_log_prob(sde_kl(v, v_teacher, sigma, sigma_next, **kind), numel, cfg.logprob_reduction)
-        adv = cfg.kl_scale * (kl.detach() if cfg.detach_kl else kl)
+        if cfg.kl_reward == "sampled":
+            # the log-ratio of the step taken, summed over the sample: its mean over x' ~ π_θ is the KL summed, and
+            # its policy gradient on the reduced ratio is ∇KL on the ratio's scale (see the module docstring)
+            taken = batch.latents[rows, steps + 1]
+            teacher_log_prob = sde_step(v_teacher, x, sigma, sigma_next, prev_sample=taken, **kind).log_prob
+            adv = cfg.kl_scale * (step.log_prob - teacher_log_prob).detach()
+        else:
+            adv = cfg.kl_scale * (kl.detach() if cfg.detach_kl else kl)
         if cfg.task_weight > 0:
             adv = adv + cfg.task_weight * batch.advantages[rows].to(adv.device)
         adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
@@ -199,5 +230,7 @@ class FlowOPD(GRPO):
         route = (f"one teacher per iteration ({', '.join(self.schedule)})" if cfg.routing == "alternate"
                  else f"teacher by prompt metadata {cfg.route_key!r}")
         tail = super().describe().split(": ", 1)[1]
-        return (f"flow_opd (Flow-OPD): reward {cfg.kl_scale:g} x KL to the teacher per step, {route}; MAR weight "
+        reward = ("the step's log-ratio to the teacher" if cfg.kl_reward == "sampled" else
+                  f"the exact KL to the teacher ({'detached' if cfg.detach_kl else 'with its gradient'})")
+        return (f"flow_opd (Flow-OPD): reward {cfg.kl_scale:g} x {reward} per step, {route}; MAR weight "
                 f"{cfg.mar_beta:g} ({'checkpoint' if cfg.mar else 'the reference'}); {tail}")
