@@ -184,8 +184,9 @@ def bench_algorithm(name: str, overrides: list[str], iterations: int, warmup: in
     from flowgrpo.trainer import Trainer
 
     teachers = untrained_teachers(overrides, out_dir / name) if "algo=flow_opd" in ALGORITHMS[name] else []
-    cfg = compose([*scoped(overrides, ALGORITHMS[name]), *ALGORITHMS[name], *teachers, f"trainer.output_dir={out_dir / name}",
-                   "logger=none", "trainer.eval_before=false", "trainer.eval_every=0", "trainer.gallery_every=0"])
+    cfg = compose([*scoped(overrides, ALGORITHMS[name]), *ALGORITHMS[name], *teachers,
+                   f"trainer.output_dir={out_dir / name}", "logger=none", "trainer.eval_before=false",
+                   "trainer.eval_every=0", "trainer.gallery_every=0"])
     if name == "mix_grpo_late":
         from flowgrpo.algorithms.mix_grpo import default_window_size
 

@@ -563,7 +563,8 @@ def test_an_explicit_choice_is_never_rewritten(hydra_compose):
 @pytest.mark.parametrize("option", sorted(ALGORITHMS))
 def test_a_recipe_runs_every_algorithm_at_that_algorithms_defaults(hydra_compose, option):
     """``experiment=video_shapes algo=X``: the recipe's world (model, reward, data, budget) with X at its own
-    defaults; the recipe's knobs for its own algorithm (conf/experiment_algo/video_shapes/grpo.yaml) apply only to it."""
+    defaults; the recipe's knobs for its own algorithm (conf/experiment_algo/video_shapes/grpo.yaml) apply only to
+    it."""
     world = ["experiment=video_shapes", f"algo={option}"]
     if ALGORITHMS[option].streaming:  # a streaming algorithm needs a streaming model: a clear error, not a key error
         with pytest.raises(ConfigError, match="streaming"):

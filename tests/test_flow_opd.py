@@ -143,8 +143,9 @@ def _one_state_many_steps(algo: FlowOPD, ctx: Toy, n: int):
 
 
 def test_the_sampled_reward_has_the_kl_gradient_in_expectation_and_the_detached_exact_kl_has_none():
-    """The defining identity of the dense reward: over steps x' ~ π_θ(·|x), the detached log-ratio's policy gradient
-    is ∇KL (the exact KL's direct pull), while the detached closed-form KL — a function of x alone — gives none."""
+    """The defining identity of the dense reward: over steps x' ~ π_θ(·|x), the detached log-ratio's policy
+    gradient is ∇KL (the exact KL's direct pull), while the detached closed-form KL — a function of x alone — gives
+    none."""
     teacher = torch.tensor([0.3, -0.2, 0.1])
     n = 20000
     grads = {}
@@ -166,7 +167,8 @@ def test_the_sampled_reward_has_the_kl_gradient_in_expectation_and_the_detached_
     batch, rows, steps = _one_state_many_steps(algo, ctx, n)
     x = batch.latents[rows, steps]
     with torch.no_grad():
-        mine = sde_step(ctx.velocity(x, None, None), x, SIGMAS[steps], SIGMAS[steps + 1], prev_sample=batch.latents[rows, steps + 1])
+        mine = sde_step(ctx.velocity(x, None, None), x, SIGMAS[steps], SIGMAS[steps + 1],
+                        prev_sample=batch.latents[rows, steps + 1])
         theirs = sde_step(teacher.view(1, -1, 1, 1) + 0.5 * x, x, SIGMAS[steps], SIGMAS[steps + 1],
                           prev_sample=batch.latents[rows, steps + 1])
         _, info = algo.loss(ctx, batch, rows, steps)

@@ -32,9 +32,9 @@ through ``algo.schedule`` (teacher names; repeat a name to give it more iteratio
 ``algo.teachers`` order); ``metadata`` — each prompt's teacher is its metadata field ``algo.route_key``.
 ``algo.task_weight > 0`` adds the group advantage of the task reward (the authors' "mixed" mode).
 
-Defaults are the authors' (``CostaliyA/Flow-OPD``, ``mix_opd_8gpu``) except ``kl_reward``: Flow-GRPO's kernel on every step, 9 of 10 steps
-trained, ``clip_range 1e-4``, ``kl_scale −1``, ``adv_clip 5``, MAR weight 0.04 against the base model, and their
-best cold start (``algo.cold_start``): before the first rollout the student's trainable weights become the average of
+Defaults are the authors' (``CostaliyA/Flow-OPD``, ``mix_opd_8gpu``) except ``kl_reward``: Flow-GRPO's kernel on
+every step, 9 of 10 steps trained, ``clip_range 1e-4``, ``kl_scale −1``, ``adv_clip 5``, MAR weight 0.04 against the
+base model, and their best cold start (``algo.cold_start``): before the first rollout the student's trainable weights become the average of
 the teachers' (each tensor averaged, as their LoRA merge); a resumed run keeps its own.
 """
 
@@ -72,7 +72,7 @@ class FlowOPDConfig(GRPOConfig):
     routing: str = _knob("alternate", choices=ROUTINGS)  # alternate: one teacher per iteration; metadata: per prompt
     schedule: List[str] = field(default_factory=list)  # alternate: teacher names cycled per iteration; [] = each once
     route_key: str = "task"  # metadata: the prompt metadata field naming its teacher
-    kl_scale: float = -1.0  # A_t = kl_scale * KL_t (negative: the reward is -KL)
+    kl_scale: float = -1.0  # A_t = kl_scale * r_t (negative: the reward is -KL)
     kl_reward: str = _knob("sampled", choices=KL_REWARDS)  # sampled: log-ratio at the taken step; exact: closed-form KL
     task_weight: float = _knob(0.0, ge=0)  # > 0: add the task reward's group advantage (the authors' mixed mode)
     detach_kl: bool = True  # kl_reward=exact: the reward carries no gradient (the paper); false: the authors' code
