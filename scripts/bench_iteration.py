@@ -164,20 +164,20 @@ def compose(overrides: list[str]):
         return hydra_compose("train", overrides=overrides)
 
 
+#: a timed run logs, evaluates and draws nothing
+QUIET = ["logger=none", "trainer.eval_before=false", "trainer.eval_every=0", "trainer.gallery_every=0"]
+
+
 def untrained_teachers(overrides: list[str], out_dir: Path, names=("a", "b")) -> list[str]:
-    """``+algo.teachers.NAME=DIR`` for Flow-OPD's row: a checkpoint of the model at iteration 0 per name (the same
-    model set-up as the row, so the student loads it), for timing a distillation without training teachers first."""
+    """``+algo.teachers.NAME=DIR`` for Flow-OPD's row: every name points at one checkpoint of the model at iteration 0
+    (the same model set-up as the row, so the student loads it), for timing a distillation without training teachers
+    first. Each name is still its own teacher to the algorithm (its own copy of the weights, its own forwards)."""
     from flowgrpo.trainer import Trainer
 
     recipe = ["algo=grpo", "sampler=sde"]
-    out = []
-    for name in names:
-        run = out_dir / f"teacher_{name}"
-        cfg = compose([*scoped(overrides, recipe), *recipe, f"trainer.output_dir={run}", "logger=none",
-                       "trainer.eval_before=false", "trainer.eval_every=0", "trainer.gallery_every=0"])
-        Trainer(cfg, run).save_checkpoint()
-        out.append(f"+algo.teachers.{name}={run}")
-    return out
+    run = out_dir / "teacher"
+    Trainer(compose([*scoped(overrides, recipe), *recipe, f"trainer.output_dir={run}", *QUIET]), run).save_checkpoint()
+    return [f"+algo.teachers.{name}={run}" for name in names]
 
 
 def bench_algorithm(name: str, overrides: list[str], iterations: int, warmup: int, out_dir: Path) -> dict:
@@ -185,8 +185,7 @@ def bench_algorithm(name: str, overrides: list[str], iterations: int, warmup: in
 
     teachers = untrained_teachers(overrides, out_dir / name) if "algo=flow_opd" in ALGORITHMS[name] else []
     cfg = compose([*scoped(overrides, ALGORITHMS[name]), *ALGORITHMS[name], *teachers,
-                   f"trainer.output_dir={out_dir / name}", "logger=none", "trainer.eval_before=false",
-                   "trainer.eval_every=0", "trainer.gallery_every=0"])
+                   f"trainer.output_dir={out_dir / name}", *QUIET])
     if name == "mix_grpo_late":
         from flowgrpo.algorithms.mix_grpo import default_window_size
 
