@@ -39,8 +39,11 @@ RECIPES = {name: overrides for name, overrides in ALGORITHMS.items() if name != 
 RECIPES["flow_grpo"] = ["algo=grpo", "sampler=sde", "algo.timestep_fraction=0.3", "algo.timestep_selection=first"]
 RECIPES["dance_grpo"] = ["algo=dance_grpo", "sampler=dance"]  # = experiment=dance_grpo_shapes's algorithm and sampler
 RECIPES["grpo_guard"] = ["algo=grpo_guard", "sampler=sde", *RECIPES["flow_grpo"][2:]]  # = experiment=grpo_guard_shapes
+RECIPES["pref_grpo"] = [*RECIPES["pref_grpo"], "algo.judge=[strict,partial]"]  # = experiment=pref_grpo_shapes
 # Flow-OPD distils teacher runs, which the benchmark does not train: it runs only when named in --algorithms and
-# given its teachers, --set flow_opd:+algo.teachers.NAME=RUN_DIR (one per teacher, trained with the same model)
+# given its teachers, --set flow_opd:+algo.teachers.NAME=RUN_DIR (one per teacher, trained with the same model);
+# its update as experiment=flow_opd_shapes's (Flow-GRPO's 3 noisiest steps), the teacher schedule by --set as well
+RECIPES["flow_opd"] = ["algo=flow_opd", "sampler=sde", *RECIPES["flow_grpo"][2:]]
 TRAINING = [name for name in RECIPES if name != "flow_opd"]
 
 
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     report = {"model": args.model, "reward": args.reward, "metric": args.metric, "target": args.target,
               "seeds": seeds, "max_iterations": args.max_iterations, "eval_every": args.eval_every,
-              "jobs": args.jobs, "threads": args.threads, "overrides": args.set,
+              "jobs": args.jobs, "threads": args.threads, "overrides": _unscoped(args.set),
               "recipes": {name: RECIPES[name] for name in names}, "algorithms": {}, "ratios": {}}
     if args.merge and args.out.is_file():
         kept = json.loads(args.out.read_text())
@@ -127,6 +130,11 @@ def main(argv: list[str] | None = None) -> dict:
         if differ:
             raise SystemExit(f"--merge: {args.out} was measured with other {', '.join(differ)}; rerun every algorithm "
                              "or write to another --out")
+        if _unscoped(kept.get("overrides", [])) != _unscoped(args.set):
+            raise SystemExit(f"--merge: {args.out} was measured with the overrides "
+                             f"{_unscoped(kept.get('overrides', []))} for every algorithm, this run with "
+                             f"{_unscoped(args.set)}; scope an override to one algorithm (--set NAME:key=value) or "
+                             "write to another --out")
         report["recipes"] = {**{n: r for n, r in kept["recipes"].items() if n not in names}, **report["recipes"]}
         report["algorithms"] = {n: row for n, row in kept["algorithms"].items() if n not in names}
     results: dict[tuple[str, int], dict] = {}
@@ -136,7 +144,9 @@ def main(argv: list[str] | None = None) -> dict:
         for n in names:
             runs = [results[n, s] for s in seeds if (n, s) in results]
             if runs:
-                report["algorithms"][n] = summarise(runs, len(seeds))
+                # an override scoped to an algorithm (--set NAME:key=value) is recorded with its rows
+                report["algorithms"][n] = {**summarise(runs, len(seeds)), "overrides":
+                                         [o for o in scoped(args.set, RECIPES[n]) if o not in args.set]}
         report["ratios"] = ratios(report["algorithms"], len(seeds))
         args.out.write_text(json.dumps(report, indent=2))
 
@@ -148,6 +158,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps({**{k: {kk: vv for kk, vv in v.items() if kk != "runs"} for k, v in report["algorithms"].items()},
                       "ratios": report["ratios"]}, indent=2))
     return report
+
+
+def _unscoped(overrides: list[str]) -> list[str]:
+    """The overrides for every row (not written ``NAME:key=value``)."""
+    return sorted(o for o in overrides if not (":" in o and "=" not in o.partition(":")[0]))
 
 
 def run_job(job: tuple) -> tuple[str, int, dict]:

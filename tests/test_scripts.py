@@ -98,6 +98,9 @@ def test_bench_time_to_reward_writes_curves_per_seed(tmp_path):
     ])
     row = report["algorithms"]["mix_grpo"]
     assert row["reached"] == "2/2" and row["median_iterations"] == 0
+    # an override scoped to one algorithm is recorded with that algorithm's row, the others for the whole report
+    assert row["overrides"] == ["algo.window.size=1"] and "mix_grpo:algo.window.size=1" not in report["overrides"]
+    assert "sampler.num_steps=3" in report["overrides"]
     assert out.is_file() and out.with_suffix(".png").is_file()
     report = bench.main([
         "--model", "tiny_sd3", "--reward", "jpeg_compressibility", "--metric", "eval/reward", "--target", "100",
@@ -109,12 +112,20 @@ def test_bench_time_to_reward_writes_curves_per_seed(tmp_path):
     run = report["algorithms"]["flash_grpo"]["runs"][0]
     assert not run["reached"] and [p["iteration"] for p in run["curve"]] == [0, 1] and run["seconds"] > 0
     assert report["ratios"] == {} and "mix_grpo_late" not in bench.TRAINING
+    # merging a measurement made with another override for every row is refused before any run, naming the override
+    with pytest.raises(SystemExit, match=r"sampler\.num_steps=4"):
+        bench.main(["--model", "tiny_sd3", "--reward", "jpeg_compressibility", "--metric", "eval/reward", "--target",
+                    "100", "--seeds", "0", "--algorithms", "mix_grpo", "--max-iterations", "1", "--out", str(out),
+                    "--threads", "1", "--merge", "--set", "sampler.num_steps=4"])
     # on the embedded world the iteration bench's Flow-GRPO trains every step (the papers' cost, the ratios'
     # denominator); time to reward runs Flow-GRPO's embedded recipe (the noisiest 3 of 10: experiment=flow_grpo_shapes)
     assert bench.compose(bench.ALGORITHMS["flow_grpo"]).algo.timestep_fraction == 1.0
     assert bench.compose(bench.RECIPES["flow_grpo"]).algo.timestep_fraction == 0.3
     guard = bench.compose(bench.RECIPES["grpo_guard"]).algo  # experiment=grpo_guard_shapes's algorithm
     assert (guard.name, guard.timestep_fraction, guard.timestep_selection) == ("grpo_guard", 0.3, "first")
+    opd = bench.compose(bench.RECIPES["flow_opd"]).algo  # experiment=flow_opd_shapes's update
+    assert (opd.name, opd.timestep_fraction, opd.timestep_selection) == ("flow_opd", 0.3, "first")
+    assert list(bench.compose(bench.RECIPES["pref_grpo"]).algo.judge) == ["strict", "partial"]
     # Flow-OPD distils teacher runs the benchmark does not train: not a default row, and without teachers it stops
     # before any run, naming the flag
     assert "flow_opd" in bench.RECIPES and "flow_opd" not in bench.TRAINING and {"slas", "cgpo"} <= set(bench.TRAINING)
