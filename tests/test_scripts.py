@@ -424,3 +424,39 @@ def test_bench_streaming_times_the_cache_against_recomputing_and_checks_they_agr
     assert json.loads(out.read_text()) == report and out.with_suffix(".png").is_file()
     with pytest.raises(SystemExit, match="multiple of the block"):
         bench.main(["--frames", "4", "--batch", "1", "--size", "wan21_1_3b", "--device", "cpu"])
+
+
+def test_paired_eval_scores_base_and_checkpoint_on_the_trainers_held_out_jobs(tmp_path):
+    """A run's checkpoint and its base model score exactly what the trainer's own evaluation scores, sample by sample
+    on the same noise; the change, its standard error and the shares follow from the per-sample pairs."""
+    from omegaconf import OmegaConf
+
+    from flowgrpo.trainer import Trainer
+
+    paired_eval = load_script("paired_eval")
+    bench = load_script("bench_iteration")
+    run = tmp_path / "run"
+    cfg = bench.compose(["model=tiny_sd3", "reward=jpeg_compressibility", "logger=none", "trainer.iterations=1",
+                         "trainer.eval_num_prompts=3", "trainer.eval_samples_per_prompt=1",
+                         "trainer.eval_samples_per_tag=null", "sampler.num_steps=3", "sampler.eval_num_steps=3",
+                         "algo.window.size=1", "trainer.prompts_per_iteration=2", "trainer.group_size=2",
+                         "trainer.train_batch_size=4", "trainer.gradient_accumulation_steps=1",
+                         "trainer.lr=0.05", f"trainer.output_dir={run}"])
+    trainer = Trainer(cfg, run)
+    before = trainer.evaluate()["eval/reward"]
+    trainer.step()
+    trainer.save_checkpoint()
+    after = trainer.evaluate()["eval/reward"]
+    OmegaConf.save(cfg, run / "config.yaml", resolve=True)
+    report = paired_eval.main([str(run), "--out", str(tmp_path / "paired.json")])
+    r = report["runs"][0]["metrics"]["reward"]
+    assert r["n"] == 3 and report["runs"][0]["iteration"] == 1
+    assert r["base"] == pytest.approx(before, abs=1e-5) and r["trained"] == pytest.approx(after, abs=1e-5)
+    assert before != after and r["change"] == pytest.approx(after - before, abs=1e-5)
+    assert json.loads((tmp_path / "paired.json").read_text())["runs"][0]["metrics"]["reward"]["n"] == 3
+    # the statistics of the pairs; a sample a component does not define (NaN) is left out of both
+    s = paired_eval.paired([0.0, 1.0, 2.0, float("nan")], [1.0, 1.0, 4.0, 3.0])
+    assert (s["n"], s["change"], s["improved"], s["worse"]) == (3, 1.0, 2 / 3, 0.0)
+    assert s["stderr"] == pytest.approx(1 / math.sqrt(3)) and s["base"] == 1.0 and s["trained"] == 2.0
+    with pytest.raises(SystemExit, match="config.yaml"):
+        paired_eval.main([str(tmp_path)])
