@@ -225,27 +225,40 @@ def _brightness(images, prompts, metadata=None):
     return RewardOutput(scores=images.float().mean(dim=(1, 2, 3)), components={})
 
 
-def _two_process_worker(tmp_path):
+def _two_process_worker(tmp_path, overrides):
     from accelerate import Accelerator
 
     torch.set_num_threads(1)
     acc = Accelerator(cpu=True)
     assert acc.num_processes == 2
-    trainer = Trainer(make_cfg(tmp_path / "two", *ALGOS["flash_grpo"]), tmp_path / "two", accelerator=acc)
+    trainer = Trainer(make_cfg(tmp_path / "two", *overrides), tmp_path / "two", accelerator=acc)
     trainer.reward = _brightness
     history = [trainer.step() for _ in range(2)]
     if acc.is_main_process:
         torch.save({"params": trainable(trainer), "history": history}, tmp_path / "two.pt")
 
 
-@pytest.mark.slow  # ~30 s: the default suite's 2-process checks are the curriculum's and the evaluation's
-def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
-    """Flash-GRPO (per-prompt plans, global-std advantages, rectification weights) over 2 gloo processes vs 1."""
-    one = Trainer(make_cfg(tmp_path / "one", *ALGOS["flash_grpo"]), tmp_path / "one")
+# the algorithms whose plan or rollout is their own: Flash-GRPO (per-prompt SDE steps, global-std advantages,
+# rectification weights), GRPO-Guard (the rollout records each SDE step's mean), Pref-GRPO (win rates inside each
+# group), AWM (stratified noise levels per sample), DGPO (one training noise per group, whole groups per micro-batch)
+TWO_PROCESS = {
+    "flash_grpo": ALGOS["flash_grpo"],
+    "grpo_guard": ["algo=grpo_guard", "sampler=sde"],
+    "pref_grpo": ["algo=pref_grpo"],
+    "awm": ["algo=awm", "algo.train_timesteps=3"],
+    "dgpo": ["algo=dgpo", "sampler=sde"],
+}
+
+
+@pytest.mark.slow  # ~30 s each: the default suite's 2-process checks are the curriculum's and the evaluation's
+@pytest.mark.parametrize("algo", list(TWO_PROCESS))
+def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, algo):
+    """One iteration's prompts, noise, rewards, advantages, gradient and update over 2 gloo processes equal 1's."""
+    one = Trainer(make_cfg(tmp_path / "one", *TWO_PROCESS[algo]), tmp_path / "one")
     one.reward = _brightness
     start = trainable(one)
     history = [one.step() for _ in range(2)]
-    run_processes(_two_process_worker, tmp_path)
+    run_processes(_two_process_worker, tmp_path, TWO_PROCESS[algo])
     two = torch.load(tmp_path / "two.pt")
     for h1, h2 in zip(history, two["history"]):
         # same prompts, noise, rewards and advantages: the batch split changes nothing but float summation order
