@@ -579,21 +579,32 @@ class Trainer:
         t = self.cfg.trainer
         jobs = held_out_jobs(self.test_set, t.eval_samples_per_prompt, t.eval_samples_per_tag,
                              num_prompts=t.eval_num_prompts)
-        # every process runs the same number of jobs (a gather needs equal shapes): padding repeats the last job and
-        # is dropped after the gather
-        per_proc = math.ceil(len(jobs) / self.world)
-        mine = list(range(self.rank, per_proc * self.world, self.world))
         first = []
 
         def keep_first(start, prompts, images, out):  # the gallery shows the main process's first batch
             if start == 0:
                 first.append((prompts, images, out))
 
+        result = self.held_out_samples(jobs, on_batch=keep_first).scalars(tag)
+        if self.gallery is not None and first:
+            prompts, images, out = first[0]
+            self._gallery_log(self.iteration, prompts, images, rewards=out.scores, components=out.components, tag=tag)
+        return result
+
+    def held_out_samples(self, jobs: list, on_batch=None) -> EvalSamples:
+        """Every held-out ``(prompt, sample)`` job of ``jobs`` generated and scored as :meth:`evaluate` does (its
+        seeds, sampler, EMA weights when enabled), dealt over the processes and gathered back in job order: the
+        per-sample scores behind its means. ``on_batch`` sees this process's batches (``score_jobs``)."""
+        t = self.cfg.trainer
+        # every process runs the same number of jobs (a gather needs equal shapes): padding repeats the last job and
+        # is dropped after the gather
+        per_proc = math.ceil(len(jobs) / self.world)
+        mine = list(range(self.rank, per_proc * self.world, self.world))
         with self.ema.swapped_in() if self.ema is not None else nullcontext():
             local = score_jobs(self.adapter, self.reward, self.test_set, [jobs[min(k, len(jobs) - 1)] for k in mine],
                                seed=t.eval_seed, sigmas=self.sampler.eval_sigmas, model_kw=self.model_kw,
                                batch_size=self.batch.rollout_batch_per_process, autocast=self.acc.autocast,
-                               on_batch=keep_first)
+                               on_batch=on_batch)
         index = self.acc.gather(torch.tensor([k if k < len(jobs) else -1 for k in mine], device=self.device))
         valid = index >= 0
         position = torch.empty(len(jobs), dtype=torch.long, device=self.device)  # gathered row of each job
@@ -602,14 +613,9 @@ class Trainer:
         def gathered(v: torch.Tensor) -> torch.Tensor:
             return self.acc.gather(v.to(self.device).contiguous())[position]
 
-        samples = EvalSamples(jobs=jobs, prompts=self.test_set.subset([i for i, _ in jobs]),
-                              scores=gathered(local.scores),
-                              components={k: gathered(v) for k, v in local.components.items()})
-        result = samples.scalars(tag)
-        if self.gallery is not None and first:
-            prompts, images, out = first[0]
-            self._gallery_log(self.iteration, prompts, images, rewards=out.scores, components=out.components, tag=tag)
-        return result
+        return EvalSamples(jobs=jobs, prompts=self.test_set.subset([i for i, _ in jobs]),
+                           scores=gathered(local.scores),
+                           components={k: gathered(v) for k, v in local.components.items()})
 
     # ------------------------------------------------------------------ 6. checkpoint / resume
     def state_dict(self) -> dict[str, Any]:

@@ -130,11 +130,11 @@ def main(argv: list[str] | None = None) -> dict:
         if differ:
             raise SystemExit(f"--merge: {args.out} was measured with other {', '.join(differ)}; rerun every algorithm "
                              "or write to another --out")
-        if _unscoped(kept.get("overrides", [])) != _unscoped(args.set):
-            raise SystemExit(f"--merge: {args.out} was measured with the overrides "
-                             f"{_unscoped(kept.get('overrides', []))} for every algorithm, this run with "
-                             f"{_unscoped(args.set)}; scope an override to one algorithm (--set NAME:key=value) or "
-                             "write to another --out")
+        kept_overrides = _unscoped(kept.get("overrides", []))
+        if kept_overrides != report["overrides"]:
+            raise SystemExit(f"--merge: {args.out} was measured with the overrides {kept_overrides} for every "
+                             f"algorithm, this run with {report['overrides']}; scope an override to one algorithm "
+                             "(--set NAME:key=value) or write to another --out")
         report["recipes"] = {**{n: r for n, r in kept["recipes"].items() if n not in names}, **report["recipes"]}
         report["algorithms"] = {n: row for n, row in kept["algorithms"].items() if n not in names}
     results: dict[tuple[str, int], dict] = {}
@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _unscoped(overrides: list[str]) -> list[str]:
-    """The overrides for every row (not written ``NAME:key=value``)."""
-    return sorted(o for o in overrides if not (":" in o and "=" not in o.partition(":")[0]))
+    """The overrides for every row (those ``scoped`` gives a row of no algorithm), sorted."""
+    return sorted(scoped(overrides, []))
 
 
 def run_job(job: tuple) -> tuple[str, int, dict]:

@@ -49,13 +49,8 @@ def paired(base: list[float], trained: list[float]) -> dict:
 
 
 def score(trainer, jobs) -> dict[str, list[float]]:
-    """Per-job reward and components of ``trainer``'s current weights, with the trainer's evaluation settings."""
-    from flowgrpo.evaluation import score_jobs
-
-    t = trainer.cfg.trainer
-    out = score_jobs(trainer.adapter, trainer.reward, trainer.test_set, jobs, seed=t.eval_seed,
-                     sigmas=trainer.sampler.eval_sigmas, model_kw=trainer.model_kw,
-                     batch_size=trainer.batch.rollout_batch_per_process, autocast=trainer.acc.autocast)
+    """Per-job reward and components of ``trainer``'s current weights, as its held-out evaluation scores them."""
+    out = trainer.held_out_samples(jobs)
     scores = {"reward": out.scores.float().tolist()}
     scores.update({k: v.float().tolist() for k, v in sorted(out.components.items()) if v.ndim == 1})
     return scores
