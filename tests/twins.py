@@ -31,6 +31,22 @@ def save_tiny_clip(path: Path) -> Path:
     return Path(path)
 
 
+def _run_then_leave_the_group(fn, *args) -> None:
+    """``fn(*args)`` in a launched process, then the process group torn down: a process that exits with its gloo group
+    alive can abort in the backend's teardown (SIGABRT, "terminate called without an active exception") after its
+    work is done, which fails the launch now and then. After a clean return the processes meet first, so none
+    leaves while a peer is still inside the last collective."""
+    import torch.distributed as dist
+
+    try:
+        fn(*args)
+        if dist.is_initialized():
+            dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def run_processes(fn, *args, num_processes: int = 2) -> None:
     """Run ``fn(*args)`` in ``num_processes`` CPU processes joined by a gloo process group (the rendezvous of
     accelerate's ``debug_launcher``), each a fresh interpreter: spawned, not forked. A fork of a process whose
@@ -47,4 +63,4 @@ def run_processes(fn, *args, num_processes: int = 2) -> None:
         world_size=num_processes, master_addr="127.0.0.1", accelerate_mixed_precision="no",
         accelerate_debug_rdv_file=rendezvous.name, accelerate_use_cpu="yes", gloo_socket_ifname="lo",
     ):
-        start_processes(PrepareForLaunch(fn, debug=True), args=args, nprocs=num_processes, start_method="spawn")
+        start_processes(PrepareForLaunch(_run_then_leave_the_group, debug=True), args=(fn, *args), nprocs=num_processes, start_method="spawn")
