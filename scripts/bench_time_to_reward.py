@@ -54,7 +54,7 @@ def run(algorithm: str, seed: int, args, out_dir: Path) -> dict:
                    f"trainer.iterations={args.max_iterations}", "trainer.eval_every=0", "trainer.gallery_every=0",
                    "trainer.checkpoint_every=0", f"trainer.output_dir={out_dir}", *RECIPES[algorithm], *scoped(args.set, RECIPES[algorithm])])
     trainer = Trainer(cfg, out_dir)
-    curve = [{"iteration": 0, "seconds": 0.0, "value": trainer.evaluate()[args.metric]}]
+    curve = [{"iteration": 0, "seconds": 0.0, "value": _starting_value(trainer, cfg, args.metric, out_dir.parent)}]
     clock = 0.0
     reached = curve[0]["value"] >= args.target
     while not reached and trainer.iteration < args.max_iterations:
@@ -65,7 +65,29 @@ def run(algorithm: str, seed: int, args, out_dir: Path) -> dict:
             value = trainer.evaluate()[args.metric]
             curve.append({"iteration": trainer.iteration, "seconds": clock, "value": value})
             reached = value >= args.target
-    return {"reached": reached, "iterations": curve[-1]["iteration"], "seconds": clock, "curve": curve}
+    return {"seed": seed, "reached": reached, "iterations": curve[-1]["iteration"], "seconds": clock, "curve": curve}
+
+
+def _starting_value(trainer, cfg, metric: str, root: Path) -> float:
+    """The held-out value before training, computed once per configuration and shared by its seeds: the held-out
+    samples are drawn from fixed seeds (``trainer.eval_seed``) and every seed starts from the same weights (a LoRA
+    adapter starts as the identity), so the seeds of a recipe would score the same samples. Kept in ``root`` (one
+    benchmark's runs), keyed by the configuration without its seed and output directory."""
+    import hashlib
+
+    from omegaconf import OmegaConf
+
+    from flowgrpo.checkpoint import atomic_write_text
+
+    key = OmegaConf.to_container(cfg, resolve=True)
+    key["trainer"] = {k: v for k, v in key["trainer"].items() if k not in ("seed", "output_dir")}
+    path = root / "start" / f"{hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]}.json"
+    if path.is_file():
+        return json.loads(path.read_text())[metric]
+    value = trainer.evaluate()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(value))
+    return value[metric]
 
 
 def plot(report: dict, path: Path) -> None:
@@ -107,7 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=Path("time_to_reward.json"), help="JSON path (PNG beside it)")
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
     parser.add_argument("--merge", action="store_true",
-                        help="keep the other algorithms' rows of an existing --out measured with the same settings")
+                        help="keep the other algorithms' rows of an existing --out measured with the same settings, and the "
+                             "finished seeds of the named ones (a stopped benchmark resumes)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads per run (default: cores / jobs)")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -138,6 +161,13 @@ def main(argv: list[str] | None = None) -> dict:
         report["recipes"] = {**{n: r for n, r in kept["recipes"].items() if n not in names}, **report["recipes"]}
         report["algorithms"] = {n: row for n, row in kept["algorithms"].items() if n not in names}
     results: dict[tuple[str, int], dict] = {}
+    if args.merge and args.out.is_file():
+        # a benchmark stopped part-way resumes: the finished seeds of a named algorithm measured with the same row
+        # overrides are kept, and only the missing (algorithm, seed) runs are made
+        for n in names:
+            row = kept["algorithms"].get(n)
+            if row and row.get("overrides") == [o for o in scoped(args.set, RECIPES[n]) if o not in args.set]:
+                results.update({(n, r["seed"]): r for r in row["runs"] if r.get("seed") in seeds})
 
     def record(name: str, seed: int, result: dict) -> None:  # the JSON is rewritten as every run finishes
         results[name, seed] = result
@@ -151,7 +181,12 @@ def main(argv: list[str] | None = None) -> dict:
         args.out.write_text(json.dumps(report, indent=2))
 
     with tempfile.TemporaryDirectory(prefix="time-to-reward-") as root:
-        jobs = [(name, seed, args, Path(root) / f"{name}-{seed}") for name in names for seed in seeds]
+        # seed-major order: a recipe's first seed computes the starting value its later seeds reuse
+        jobs = [(name, seed, args, Path(root) / f"{name}-{seed}") for seed in seeds for name in names
+                if (name, seed) not in results]
+        if results:
+            print(f"resuming: {len(results)} finished runs kept, {len(jobs)} to run", flush=True)
+            record(*next(iter(results)), next(iter(results.values())))
         for result in pool_results(run_job, jobs, args.jobs):
             record(*result)
     plot(report, args.out.with_suffix(".png"))

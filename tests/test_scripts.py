@@ -85,23 +85,38 @@ def test_gpu_check_replays_the_iteration_calls_for_its_floor(tmp_path):
     assert rows["flow_grpo"]["ratio_to_flow_grpo"] == 1.0 and (tmp_path / "gpu.json").is_file()
 
 
-def test_bench_time_to_reward_writes_curves_per_seed(tmp_path):
+def test_bench_time_to_reward_writes_curves_per_seed(tmp_path, monkeypatch):
     bench = load_script("bench_time_to_reward")
     out = tmp_path / "ttr.json"
     # a target the baseline already meets (every run stops at its first evaluation) and one it cannot reach
-    report = bench.main([
+    first = [
         "--model", "tiny_sd3", "--reward", "jpeg_compressibility", "--metric", "eval/reward", "--target", "-100",
         "--seeds", "0,1", "--algorithms", "mix_grpo", "--max-iterations", "1", "--out", str(out), "--threads", "1",
         "--set", "trainer.eval_num_prompts=2", "--set", "trainer.eval_samples_per_tag=null", "--set", "sampler.num_steps=3", "--set", "sampler.eval_num_steps=3",
         "--set", "mix_grpo:algo.window.size=1", "--set", "trainer.prompts_per_iteration=2", "--set", "trainer.group_size=2",
         "--set", "trainer.train_batch_size=4", "--set", "trainer.gradient_accumulation_steps=1",
-    ])
+    ]
+    report = bench.main(first)
     row = report["algorithms"]["mix_grpo"]
     assert row["reached"] == "2/2" and row["median_iterations"] == 0
     # an override scoped to one algorithm is recorded with that algorithm's row, the others for the whole report
     assert row["overrides"] == ["algo.window.size=1"] and "mix_grpo:algo.window.size=1" not in report["overrides"]
     assert "sampler.num_steps=3" in report["overrides"]
     assert out.is_file() and out.with_suffix(".png").is_file()
+    # the seeds start from the same held-out value (computed once: fixed evaluation seeds, the same weights)
+    assert sorted(r["seed"] for r in row["runs"]) == [0, 1]
+    assert row["runs"][0]["curve"][0]["value"] == row["runs"][1]["curve"][0]["value"]
+    # --merge with the same settings resumes a benchmark stopped part-way: the finished seed is kept, the other runs
+    data = json.loads(out.read_text())
+    data["algorithms"]["mix_grpo"]["runs"] = [r for r in row["runs"] if r["seed"] == 0]
+    out.write_text(json.dumps(data))
+    made = []
+    monkeypatch.setattr(bench, "run", lambda name, seed, *a: made.append((name, seed)) or {
+        "seed": seed, "reached": True, "iterations": 0, "seconds": 0.0, "curve": [{"iteration": 0, "seconds": 0.0, "value": 0.0}]})
+    resumed = bench.main([*first, "--merge"])["algorithms"]["mix_grpo"]
+    assert made == [("mix_grpo", 1)] and resumed["reached"] == "2/2"
+    assert [r["seed"] for r in resumed["runs"]] == [0, 1] and resumed["runs"][0] == data["algorithms"]["mix_grpo"]["runs"][0]
+    monkeypatch.undo()
     report = bench.main([
         "--model", "tiny_sd3", "--reward", "jpeg_compressibility", "--metric", "eval/reward", "--target", "100",
         "--seeds", "0", "--algorithms", "flash_grpo", "--max-iterations", "1", "--out", str(out), "--threads", "1",
