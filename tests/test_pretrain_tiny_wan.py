@@ -46,6 +46,29 @@ def test_collapsed_padding_equals_pipeline_forward():
             torch.testing.assert_close(collapsed, full, rtol=1e-4, atol=1e-5)
 
 
+def test_frame_noise_gives_each_latent_frame_its_level_and_a_shared_level_is_the_ordinary_forward(tmp_path):
+    torch.manual_seed(0)
+    pipe = pw.build_pipeline("toy")
+    shape, patch = (4, 16, 3, 4, 4), pipe.transformer.config.patch_size
+    sigma = torch.tensor([0.9, 0.5, 0.2, 0.99])
+    levels, timestep = pw.frame_sigmas(sigma, shape, 0.0, 3.0, patch)  # nobody mixed: the clip's level everywhere
+    assert torch.equal(levels.flatten(1), sigma[:, None].expand(4, 3)) and timestep.shape == (4, 3 * 2 * 2)
+    x = torch.randn(shape)
+    embeds, lengths = pw.encode_text(pipe, ["a red circle moving left"] * 4)
+    with torch.no_grad():
+        per_token = pw.collapsed_velocity(pipe.transformer, x, timestep, embeds, lengths, 512 - lengths)
+        ordinary = pw.collapsed_velocity(pipe.transformer, x, sigma * 1000.0, embeds, lengths, 512 - lengths)
+    torch.testing.assert_close(per_token, ordinary, rtol=1e-5, atol=1e-6)
+    levels, timestep = pw.frame_sigmas(sigma, shape, 1.0, 3.0, patch)  # everybody mixed: a level per frame, its tokens
+    assert (levels.flatten(1).std(1) > 0).all()
+    assert torch.equal(timestep.view(4, 3, 4), (levels.flatten(1) * 1000.0)[:, :, None].expand(4, 3, 4))
+    # training with it resumes exactly (its draws are part of the saved RNG states)
+    straight = pw.main(_args(tmp_path / "a", "--frame-noise-prob", "0.5"))
+    pw.main(_args(tmp_path / "b", "--frame-noise-prob", "0.5", "--stop-at", "3"))
+    resumed = pw.main(_args(tmp_path / "b", "--frame-noise-prob", "0.5", "--resume"))
+    assert all(torch.equal(p, q) for p, q in zip(straight.flow_params, resumed.flow_params))
+
+
 def _args(tmp_path, *extra):
     return ["--size", "toy", "--vae-steps", "2", "--flow-steps", "3", "--vae-batch", "2", "--batch", "2",
             "--stat-batches", "1", "--warmup", "1", "--log-every", "1", "--ckpt-every", "1", "--threads", "1",
