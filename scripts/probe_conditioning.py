@@ -11,7 +11,9 @@ Two measurements, printed as JSON:
   words of one kind are swapped, same noise: ``direction`` (left <-> right, up <-> down) and ``appearance``
   (every colour and shape word replaced by another). ``increase`` is the mean loss increase over clips (± its
   standard error): how much of the loss the model explains with those words. A word the model ignores costs
-  nothing to swap.
+  nothing to swap. The row ``first_frame_clean`` noises the first latent frame at σ 0.1 and the others at 0.95 and
+  scores the noisy frames only: the start is visible, so only the words say where the object goes next (this is
+  what a pipeline pretrained with ``--frame-noise-prob`` sees in training).
 - ``direction``: the clips the pipeline makes (``--steps`` Euler steps, CFG ``--guidance-scale``) for each
   direction of four (colour, shape) pairs, ``--samples`` clips each from the same seeds, judged by the
   ``video_geneval`` tracker: the fitted velocity of the longest track projected on the named direction
@@ -38,6 +40,7 @@ from flowgrpo.world.motion import OPPOSITE, UNIT  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SIGMAS = (0.95, 0.85, 0.7, 0.5, 0.3)
+FIRST_FRAME_LEVELS = (0.1, 0.95)  # the first latent frame's noise level, the others'
 
 
 def swap_words(prompt: str, kind: str) -> str:
@@ -61,20 +64,30 @@ def loss_gap(pipe: WanPipeline, clips: int = 64, sigmas=SIGMAS, kinds=("directio
     x, prompts = pw.render_batch(rng, clips, set(), num_frames, tag_probs=only_motion)
     x0 = pw.normalised_latents(pipe.vae, x.to(pipe.vae.dtype), sample=False)
 
-    def per_clip_loss(captions, xt, noise, sigma):
+    n, _, frames, height, width = x0.shape
+    patch = pipe.transformer.config.patch_size
+    first_clean = torch.tensor([FIRST_FRAME_LEVELS[0]] + [FIRST_FRAME_LEVELS[1]] * (frames - 1))
+
+    def per_clip_loss(captions, xt, noise, timestep, scored):
         embeds, lengths = pw.encode_text(pipe, captions)
-        v = pw.collapsed_velocity(pipe.transformer, xt, torch.full((len(captions),), sigma * 1000.0), embeds,
-                                  lengths, (max_sequence_length - lengths).clamp(min=0))  # fmt: skip
-        return (v.float() - (noise - x0)).pow(2).mean(dim=(1, 2, 3, 4))
+        v = pw.collapsed_velocity(pipe.transformer, xt, timestep, embeds, lengths,
+                                  (max_sequence_length - lengths).clamp(min=0))  # fmt: skip
+        return (v.float() - (noise - x0))[:, :, scored].pow(2).mean(dim=(1, 2, 3, 4))
 
     out = {}
-    for sigma in sigmas:
+    for sigma in (*sigmas, "first_frame_clean"):
         noise = torch.randn(x0.shape, generator=generator)
-        xt = (1.0 - sigma) * x0 + sigma * noise
-        base = per_clip_loss(prompts, xt, noise, sigma)
+        if sigma == "first_frame_clean":  # one timestep per token, the noisy frames scored
+            levels = first_clean.view(1, 1, frames, 1, 1)
+            timestep = (first_clean * 1000.0).repeat_interleave((height // patch[1]) * (width // patch[2])).expand(n, -1)
+            scored = slice(1, None)
+        else:
+            levels, timestep, scored = sigma, torch.full((n,), sigma * 1000.0), slice(None)
+        xt = (1.0 - levels) * x0 + levels * noise
+        base = per_clip_loss(prompts, xt, noise, timestep, scored)
         row = {"loss": round(float(base.mean()), 5)}
         for kind in kinds:
-            d = per_clip_loss([swap_words(p, kind) for p in prompts], xt, noise, sigma) - base
+            d = per_clip_loss([swap_words(p, kind) for p in prompts], xt, noise, timestep, scored) - base
             row[kind] = {"increase": round(float(d.mean()), 5), "se": round(float(d.std() / len(d) ** 0.5), 5) if len(d) > 1 else None}
         out[str(sigma)] = row
     return out
