@@ -227,8 +227,14 @@ def frame_sigmas(sigma: torch.Tensor, shape, prob: float, shift: float, patch_si
     own = sample_sigmas(n * frames, shift, sigma.device).view(n, frames)
     mixed = torch.rand(n, device=sigma.device) < prob
     levels = torch.where(mixed[:, None], own, sigma[:, None].expand(n, frames))
+    return levels.view(n, 1, frames, 1, 1), token_timesteps(levels, height, width, patch_size)
+
+
+def token_timesteps(levels: torch.Tensor, height: int, width: int, patch_size) -> torch.Tensor:
+    """Per-frame noise levels ``[n, F]`` of latents ``height`` x ``width`` as the transformer's per-token timesteps
+    ``[n, F·H·W / patch]`` (frame-major, as the patch embedding flattens them)."""
     tokens = (height // patch_size[1]) * (width // patch_size[2])
-    return levels.view(n, 1, frames, 1, 1), (levels * 1000.0).repeat_interleave(tokens, dim=1)
+    return (levels * 1000.0).repeat_interleave(tokens, dim=1)
 
 
 def normalised_latents(vae: AutoencoderKLWan, x: torch.Tensor, sample: bool = True) -> torch.Tensor:

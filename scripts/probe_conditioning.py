@@ -79,7 +79,7 @@ def loss_gap(pipe: WanPipeline, clips: int = 64, sigmas=SIGMAS, kinds=("directio
         noise = torch.randn(x0.shape, generator=generator)
         if sigma == "first_frame_clean":  # one timestep per token, the noisy frames scored
             levels = first_clean.view(1, 1, frames, 1, 1)
-            timestep = (first_clean * 1000.0).repeat_interleave((height // patch[1]) * (width // patch[2])).expand(n, -1)
+            timestep = pw.token_timesteps(first_clean.expand(n, -1), height, width, patch)
             scored = slice(1, None)
         else:
             levels, timestep, scored = sigma, torch.full((n,), sigma * 1000.0), slice(None)
