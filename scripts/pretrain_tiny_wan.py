@@ -222,7 +222,8 @@ def frame_sigmas(sigma: torch.Tensor, shape, prob: float, shift: float, patch_si
 
     Why: when every frame shares one level, a clip whose layout shows through the noise already says which way its
     objects move, so the words naming the motion help only near pure noise and the model learns them last. A frame
-    that is much noisier than its neighbours can only be predicted from the words."""
+    much noisier than its neighbours must be predicted from them and the words (a hypothesis: on the shipped asset it
+    did not teach the motion words, docs/results.md)."""
     n, _, frames, height, width = shape
     own = sample_sigmas(n * frames, shift, sigma.device).view(n, frames)
     mixed = torch.rand(n, device=sigma.device) < prob
@@ -573,7 +574,7 @@ def parse_args(argv=None):
     p.add_argument("--init-from", default=None, metavar="DIR",
                    help="start the flow stage from a saved pipeline (with --vae-steps 0) instead of from scratch")
     p.add_argument("--frame-noise-prob", type=float, default=0.0,
-                   help="P(a clip's latent frames are noised at independent levels): teaches the motion words")
+                   help="P(a clip's latent frames are noised at independent levels)")
     p.add_argument("--cfg-dropout", type=float, default=0.1, help="probability of the empty prompt")
     p.add_argument("--ema", type=float, default=0.999, help="EMA decay of the shipped flow weights")
     p.add_argument("--seed", type=int, default=0)
