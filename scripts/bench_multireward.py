@@ -10,7 +10,7 @@ only ``reward.aggregate.name`` differs. The composites (``--composite``):
 
 * ``image`` (default model ``sd3_shapes``, the default algorithm): GenEval (shapes detector, weight 1) plus
   ``jpeg_compressibility`` (−kB at quality 95, weight 0.1) — a term that is easy to move and unrelated to the task;
-* ``video`` (default model ``wan_shapes``, ``data=motion_shapes``, the ``experiment=video_shapes`` algorithm):
+* ``video`` (default model ``wan_shapes``, ``data=motion_shapes``, Flow-GRPO on its 3 noisiest steps):
   ``reward=video_composite`` — video GenEval (partial credit, weight 1) plus pixel temporal consistency and
   per-frame sharpness. Both extra terms have shortcuts the task does not want: a frozen clip maximises
   consistency, and a static object already satisfies "standing still".
@@ -54,7 +54,7 @@ COMPOSITES = {
                     "jpeg": "eval/jpeg_compressibility"},               # −kB at quality 95 (higher = more compressible)
     },
     "video": {
-        # the experiment=video_shapes algorithm: Flow-GRPO on its 3 noisiest steps (the shared recipe)
+        # Flow-GRPO on its 3 noisiest steps (the shared recipe; = experiment=video_shapes algo=grpo)
         "model": "wan_shapes", "overrides": ["reward=video_composite", "data=motion_shapes", *RECIPES["flow_grpo"]],
         "terms": ["video_geneval", "video_consistency", "video_sharpness"],
         "metrics": {"geneval": "eval/video_geneval/geneval",                  # video GenEval overall (strict)

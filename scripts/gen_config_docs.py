@@ -298,8 +298,9 @@ def render() -> str:
     lines += ["## Presets {#presets}", "",
               "`experiment=NAME` applies a named recipe after the groups; `debug=NAME` applies a debugging preset "
               "last; `model_defaults/<model>.yaml` is applied automatically with its model, before both; "
-              "`experiment_algo/<experiment>/<algo>.yaml` holds a recipe's knobs for its own algorithm and is applied "
-              "only while that algorithm is chosen (`experiment=E algo=X` runs X at its defaults). The command "
+              "`experiment_algo/<experiment>/<algo>.yaml` holds a recipe's knobs for one algorithm on its world and is "
+              "applied only while that algorithm is chosen (`experiment=E algo=X` runs X at its defaults unless such a "
+              "file exists). The command "
               "line wins over all of them.", ""]
     for group in PRESET_GROUPS:
         lines += [f"### `{group}`", ""] + _options(group) + [""]

@@ -563,8 +563,8 @@ def test_an_explicit_choice_is_never_rewritten(hydra_compose):
 @pytest.mark.parametrize("option", sorted(ALGORITHMS))
 def test_a_recipe_runs_every_algorithm_at_that_algorithms_defaults(hydra_compose, option):
     """``experiment=video_shapes algo=X``: the recipe's world (model, reward, data, budget) with X at its own
-    defaults; the recipe's knobs for its own algorithm (conf/experiment_algo/video_shapes/grpo.yaml) apply only to
-    it."""
+    defaults, but for the knobs measured on this world for Flow-GRPO (conf/experiment_algo/video_shapes/grpo.yaml),
+    which apply only to ``algo=grpo``; the recipe's own algorithm is AWM at its defaults."""
     world = ["experiment=video_shapes", f"algo={option}"]
     if ALGORITHMS[option].streaming:  # a streaming algorithm needs a streaming model: a clear error, not a key error
         with pytest.raises(ConfigError, match="streaming"):
@@ -575,12 +575,14 @@ def test_a_recipe_runs_every_algorithm_at_that_algorithms_defaults(hydra_compose
     assert (cfg.model.pretrained, cfg.reward.name, cfg.trainer.prompts_per_iteration) == ("assets/tiny-wan-shapes",
                                                                                   "video_geneval", 4)
     own = hydra_compose(["experiment=video_shapes"]).algo
-    assert (own.name, own.timestep_fraction, own.timestep_selection) == ("grpo", 0.3, "first")
-    if option != "grpo":
+    assert OmegaConf.to_container(own) == OmegaConf.to_container(hydra_compose(["algo=awm"]).algo)
+    if option == "grpo":
+        assert (cfg.algo.timestep_fraction, cfg.algo.timestep_selection) == (0.3, "first")
+    else:
         defaults = hydra_compose([f"algo={option}"] + (["+algo.teachers.t=conf"] if option == "flow_opd" else [])).algo
         assert OmegaConf.to_container(cfg.algo) == OmegaConf.to_container(defaults)
     # the command line still wins over the recipe's knobs
-    assert hydra_compose(["experiment=video_shapes", "algo.timestep_fraction=0.5"]).algo.timestep_fraction == 0.5
+    assert hydra_compose(["experiment=video_shapes", "algo=grpo", "algo.timestep_fraction=0.5"]).algo.timestep_fraction == 0.5
 
 
 def test_help_lists_the_recipes_and_no_hidden_groups(tmp_path):
