@@ -5,7 +5,9 @@
     python scripts/bench_time_to_reward.py --model tiny_sd3 --reward jpeg_compressibility --metric eval/reward ...
 
 Every run is the real trainer with held-out evaluation every ``--eval-every`` iterations (evaluation time is
-excluded from the clock: it is the same for every algorithm and not part of training). A run stops at the
+excluded from the clock: it is the same for every algorithm and not part of training). The held-out value before
+training is evaluated once per evaluation setting (``evaluation_key``: every algorithm and seed of one model shares
+it) and kept in the JSON's ``starting_values``, so ``--merge`` does not evaluate it again. A run stops at the
 first evaluation that reaches the target, or at ``--max-iterations``. The default target, held-out GenEval
 (mean over tags, strict) ≥ 0.35, is the shipped pipeline's 0.233 plus about 0.12. ``ratios``: each algorithm's
 median seconds to the target over Flow-GRPO's (when both reached it in every seed). The JSON is rewritten as
@@ -47,14 +49,20 @@ RECIPES["flow_opd"] = ["algo=flow_opd", "sampler=sde", *RECIPES["flow_grpo"][2:]
 TRAINING = [name for name in RECIPES if name != "flow_opd"]
 
 
-def run(algorithm: str, seed: int, args, out_dir: Path) -> dict:
+def _config(algorithm: str, seed: int, args, out_dir: Path):
+    return compose([f"model={args.model}", f"reward={args.reward}", "logger=none", f"trainer.seed={seed}",
+                    f"trainer.iterations={args.max_iterations}", "trainer.eval_every=0", "trainer.gallery_every=0",
+                    "trainer.checkpoint_every=0", f"trainer.output_dir={out_dir}", *RECIPES[algorithm],
+                    *scoped(args.set, RECIPES[algorithm])])
+
+
+def run(algorithm: str, seed: int, args, out_dir: Path, start: float) -> dict:
+    """One (algorithm, seed) run from the held-out value ``start`` (computed once by :func:`starting_values`)."""
     from flowgrpo.trainer import Trainer
 
-    cfg = compose([f"model={args.model}", f"reward={args.reward}", "logger=none", f"trainer.seed={seed}",
-                   f"trainer.iterations={args.max_iterations}", "trainer.eval_every=0", "trainer.gallery_every=0",
-                   "trainer.checkpoint_every=0", f"trainer.output_dir={out_dir}", *RECIPES[algorithm], *scoped(args.set, RECIPES[algorithm])])
+    cfg = _config(algorithm, seed, args, out_dir)
     trainer = Trainer(cfg, out_dir)
-    curve = [{"iteration": 0, "seconds": 0.0, "value": _starting_value(trainer, cfg, args.metric, out_dir.parent)}]
+    curve = [{"iteration": 0, "seconds": 0.0, "value": start}]
     clock = 0.0
     reached = curve[0]["value"] >= args.target
     while not reached and trainer.iteration < args.max_iterations:
@@ -68,26 +76,43 @@ def run(algorithm: str, seed: int, args, out_dir: Path) -> dict:
     return {"seed": seed, "reached": reached, "iterations": curve[-1]["iteration"], "seconds": clock, "curve": curve}
 
 
-def _starting_value(trainer, cfg, metric: str, root: Path) -> float:
-    """The held-out value before training, computed once per configuration and shared by its seeds: the held-out
-    samples are drawn from fixed seeds (``trainer.eval_seed``) and every seed starts from the same weights (a LoRA
-    adapter starts as the identity), so the seeds of a recipe would score the same samples. Kept in ``root`` (one
-    benchmark's runs), keyed by the configuration without its seed and output directory."""
+def evaluation_key(trainer) -> str:
+    """A hash of everything the held-out evaluation of an untrained run reads: the model, reward and held-out data,
+    the ``trainer.eval_*`` settings, the evaluation schedule the sampler builds, the rollout batch and the precision.
+    Not the algorithm or the seed: the held-out samples are drawn from fixed seeds (``trainer.eval_seed``) and every
+    run starts from the same weights (a LoRA adapter starts as the identity, an EMA as a copy), so every algorithm
+    and seed of one model scores the same samples before training."""
     import hashlib
 
     from omegaconf import OmegaConf
 
-    from flowgrpo.checkpoint import atomic_write_text
+    cfg = OmegaConf.to_container(trainer.cfg, resolve=True)
+    t = cfg["trainer"]
+    what = {"model": cfg["model"], "reward": cfg["reward"], "data": cfg["data"],
+            "eval": {k: v for k, v in t.items() if k.startswith("eval_")}, "mixed_precision": t["mixed_precision"],
+            "sigmas": trainer.sampler.eval_sigmas.tolist(), "batch": trainer.batch.rollout_batch_per_process}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-    key = OmegaConf.to_container(cfg, resolve=True)
-    key["trainer"] = {k: v for k, v in key["trainer"].items() if k not in ("seed", "output_dir")}
-    path = root / "start" / f"{hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]}.json"
-    if path.is_file():
-        return json.loads(path.read_text())[metric]
-    value = trainer.evaluate()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(value))
-    return value[metric]
+
+def starting_values(names: list[str], seed: int, args, root: Path, known: dict) -> dict[str, str]:
+    """``{algorithm: evaluation key}``; ``known`` (``{key: {"value", "algorithms"}}``, the report's
+    ``starting_values``, kept by ``--merge``) gains the held-out value of every key it lacks, evaluated here once
+    before any run starts (with every core, as no run is training yet)."""
+    import gc
+
+    from flowgrpo.trainer import Trainer
+
+    keys = {}
+    for name in names:
+        trainer = Trainer(_config(name, seed, args, root / f"start-{name}"), root / f"start-{name}")
+        key = keys[name] = evaluation_key(trainer)
+        if key not in known:
+            print(f"held-out {args.metric} before training ({name} and every algorithm evaluated alike) ...", flush=True)
+            known[key] = {"value": trainer.evaluate()[args.metric], "algorithms": []}
+        known[key]["algorithms"] = sorted({*known[key]["algorithms"], name})
+        del trainer
+        gc.collect()
+    return keys
 
 
 def plot(report: dict, path: Path) -> None:
@@ -160,6 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "(--set NAME:key=value) or write to another --out")
         report["recipes"] = {**{n: r for n, r in kept["recipes"].items() if n not in names}, **report["recipes"]}
         report["algorithms"] = {n: row for n, row in kept["algorithms"].items() if n not in names}
+    # the held-out value before training per evaluation setting (evaluation_key), shared by every algorithm and seed
+    starts: dict[str, dict] = dict(kept.get("starting_values", {})) if args.merge and args.out.is_file() else {}
     results: dict[tuple[str, int], dict] = {}
     if args.merge and args.out.is_file():
         # a benchmark stopped part-way resumes: the finished seeds of a named algorithm measured with the same row
@@ -181,9 +208,10 @@ def main(argv: list[str] | None = None) -> dict:
         args.out.write_text(json.dumps(report, indent=2))
 
     with tempfile.TemporaryDirectory(prefix="time-to-reward-") as root:
-        # seed-major order: a recipe's first seed computes the starting value its later seeds reuse
-        jobs = [(name, seed, args, Path(root) / f"{name}-{seed}") for seed in seeds for name in names
-                if (name, seed) not in results]
+        todo = [(name, seed) for seed in seeds for name in names if (name, seed) not in results]
+        keys = starting_values(list(dict.fromkeys(n for n, _ in todo)), seeds[0], args, Path(root), starts)
+        report["starting_values"] = starts
+        jobs = [(name, seed, args, Path(root) / f"{name}-{seed}", starts[keys[name]]["value"]) for name, seed in todo]
         if results:
             print(f"resuming: {len(results)} finished runs kept, {len(jobs)} to run", flush=True)
             record(*next(iter(results)), next(iter(results.values())))
@@ -202,11 +230,11 @@ def _unscoped(overrides: list[str]) -> list[str]:
 
 def run_job(job: tuple) -> tuple[str, int, dict]:
     """One (algorithm, seed) run; in a worker process it sets its own thread count first."""
-    name, seed, args, out_dir = job
+    name, seed, args, out_dir, start = job
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        return name, seed, run(name, seed, args, out_dir)
+        return name, seed, run(name, seed, args, out_dir, start)
     finally:
         torch.set_num_threads(threads)
 

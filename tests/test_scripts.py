@@ -106,15 +106,21 @@ def test_bench_time_to_reward_writes_curves_per_seed(tmp_path, monkeypatch):
     # the seeds start from the same held-out value (computed once: fixed evaluation seeds, the same weights)
     assert sorted(r["seed"] for r in row["runs"]) == [0, 1]
     assert row["runs"][0]["curve"][0]["value"] == row["runs"][1]["curve"][0]["value"]
+    (start,) = report["starting_values"].values()
+    assert start == {"value": row["runs"][0]["curve"][0]["value"], "algorithms": ["mix_grpo"]}
     # --merge with the same settings resumes a benchmark stopped part-way: the finished seed is kept, the other runs
     data = json.loads(out.read_text())
     data["algorithms"]["mix_grpo"]["runs"] = [r for r in row["runs"] if r["seed"] == 0]
     out.write_text(json.dumps(data))
     made = []
-    monkeypatch.setattr(bench, "run", lambda name, seed, *a: made.append((name, seed)) or {
+    monkeypatch.setattr(bench, "run", lambda name, seed, *a: made.append((name, seed, a[-1])) or {
         "seed": seed, "reached": True, "iterations": 0, "seconds": 0.0, "curve": [{"iteration": 0, "seconds": 0.0, "value": 0.0}]})
+    from flowgrpo.trainer import Trainer
+
+    # the starting value is kept in the report: a resumed benchmark does not evaluate the untrained model again
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, *a, **k: pytest.fail("evaluated the untrained model again"))
     resumed = bench.main([*first, "--merge"])["algorithms"]["mix_grpo"]
-    assert made == [("mix_grpo", 1)] and resumed["reached"] == "2/2"
+    assert made == [("mix_grpo", 1, start["value"])] and resumed["reached"] == "2/2"
     assert [r["seed"] for r in resumed["runs"]] == [0, 1] and resumed["runs"][0] == data["algorithms"]["mix_grpo"]["runs"][0]
     monkeypatch.undo()
     report = bench.main([
