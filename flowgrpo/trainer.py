@@ -880,7 +880,7 @@ class Trainer:
         if t.eval_before and self.iteration == 0 and not self.evals:
             self._record_eval()
         bar = tqdm(total=t.iterations, initial=self.iteration, disable=not self.acc.is_main_process,
-                   desc="GRPO", dynamic_ncols=True)
+                   desc=self.algorithm.name, dynamic_ncols=True)
         stopped, light = None, None
         # An exception in here (reward server down, OOM, a bug) checkpoints the last completed iteration and writes
         # summary.json with the error before it propagates (_on_crash).
