@@ -141,8 +141,10 @@ def test_per_frame_sigmas_through_the_video_adapter():
         staggered = torch.tensor([[0.7] * frames, [0.4] * frames])
         staggered[:, -1] = 0.1  # the last frame at another noise level, as a streaming denoiser would have it
         mixed = wan.velocity(x, staggered, cond, guidance_scale=2.0)
-    assert torch.equal(shared, per_frame)  # one level per frame = one level per sample, bit for bit
-    assert not torch.allclose(mixed, shared)
+    # one level per frame = one level per sample; to float rounding, not bit for bit: the per-token timestep
+    # embedding is a matmul of another shape, which some CPUs' kernels round differently (1 ulp seen)
+    torch.testing.assert_close(per_frame, shared, rtol=0, atol=1e-5)
+    assert (mixed - shared).abs().max() > 1e-2
     with pytest.raises(ValueError, match="frames"):
         wan.velocity(x, torch.rand(2, frames + 1), cond, guidance_scale=2.0)
     sd3 = load_adapter("sd3", "tiny-random:sd3")
