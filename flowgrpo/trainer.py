@@ -576,9 +576,7 @@ class Trainer:
         """
         if self.test_set is None:
             return {}
-        t = self.cfg.trainer
-        jobs = held_out_jobs(self.test_set, t.eval_samples_per_prompt, t.eval_samples_per_tag,
-                             num_prompts=t.eval_num_prompts)
+        jobs = self.eval_jobs()
         first = []
 
         def keep_first(start, prompts, images, out):  # the gallery shows the main process's first batch
@@ -590,6 +588,28 @@ class Trainer:
             prompts, images, out = first[0]
             self._gallery_log(self.iteration, prompts, images, rewards=out.scores, components=out.components, tag=tag)
         return result
+
+    def eval_jobs(self) -> list:
+        """The held-out ``(prompt, sample)`` jobs :meth:`evaluate` scores (``trainer.eval_*``)."""
+        t = self.cfg.trainer
+        return held_out_jobs(self.test_set, t.eval_samples_per_prompt, t.eval_samples_per_tag,
+                             num_prompts=t.eval_num_prompts)
+
+    def held_out_key(self, jobs: list) -> str:
+        """A hash of what :meth:`held_out_samples` reads besides the weights: the model, reward and held-out data,
+        the jobs and their seed, the evaluation schedule, the rollout batch and the precision. Two trainers with
+        equal keys and equal weights (e.g. both untrained, whatever their algorithm or ``trainer.seed``) score the
+        same samples, so a tool comparing runs can score an untrained model once."""
+        import hashlib
+
+        def plain(node):
+            return OmegaConf.to_container(node, resolve=True)
+
+        what = {"model": plain(self.cfg.model), "reward": plain(self.cfg.reward), "data": plain(self.cfg.data),
+                "jobs": [list(j) for j in jobs], "eval_seed": self.cfg.trainer.eval_seed,
+                "sigmas": self.sampler.eval_sigmas.tolist(), "batch": self.batch.rollout_batch_per_process,
+                "mixed_precision": self.cfg.trainer.mixed_precision}
+        return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def held_out_samples(self, jobs: list, on_batch=None) -> EvalSamples:
         """Every held-out ``(prompt, sample)`` job of ``jobs`` generated and scored as :meth:`evaluate` does (its

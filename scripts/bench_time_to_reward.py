@@ -6,8 +6,8 @@
 
 Every run is the real trainer with held-out evaluation every ``--eval-every`` iterations (evaluation time is
 excluded from the clock: it is the same for every algorithm and not part of training). The held-out value before
-training is evaluated once per evaluation setting (``evaluation_key``: every algorithm and seed of one model shares
-it) and kept in the JSON's ``starting_values``, so ``--merge`` does not evaluate it again. A run stops at the
+training is evaluated once per evaluation setting (``Trainer.held_out_key``: every algorithm and seed of one model
+shares it) and kept in the JSON's ``starting_values``, so ``--merge`` does not evaluate it again. A run stops at the
 first evaluation that reaches the target, or at ``--max-iterations``. The default target, held-out GenEval
 (mean over tags, strict) ≥ 0.35, is the shipped pipeline's 0.233 plus about 0.12. ``ratios``: each algorithm's
 median seconds to the target over Flow-GRPO's (when both reached it in every seed). The JSON is rewritten as
@@ -76,26 +76,9 @@ def run(algorithm: str, seed: int, args, out_dir: Path, start: float) -> dict:
     return {"seed": seed, "reached": reached, "iterations": curve[-1]["iteration"], "seconds": clock, "curve": curve}
 
 
-def evaluation_key(trainer) -> str:
-    """A hash of everything the held-out evaluation of an untrained run reads: the model, reward and held-out data,
-    the ``trainer.eval_*`` settings, the evaluation schedule the sampler builds, the rollout batch and the precision.
-    Not the algorithm or the seed: the held-out samples are drawn from fixed seeds (``trainer.eval_seed``) and every
-    run starts from the same weights (a LoRA adapter starts as the identity, an EMA as a copy), so every algorithm
-    and seed of one model scores the same samples before training."""
-    import hashlib
-
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.to_container(trainer.cfg, resolve=True)
-    t = cfg["trainer"]
-    what = {"model": cfg["model"], "reward": cfg["reward"], "data": cfg["data"],
-            "eval": {k: v for k, v in t.items() if k.startswith("eval_")}, "mixed_precision": t["mixed_precision"],
-            "sigmas": trainer.sampler.eval_sigmas.tolist(), "batch": trainer.batch.rollout_batch_per_process}
-    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def starting_values(names: list[str], seed: int, args, root: Path, known: dict) -> dict[str, str]:
-    """``{algorithm: evaluation key}``; ``known`` (``{key: {"value", "algorithms"}}``, the report's
+    """``{algorithm: evaluation key}`` (``Trainer.held_out_key``: not the algorithm or the seed, as every run starts
+    from the same weights: a LoRA adapter starts as the identity, an EMA as a copy); ``known`` (``{key: {"value", "algorithms"}}``, the report's
     ``starting_values``, kept by ``--merge``) gains the held-out value of every key it lacks, evaluated here once
     before any run starts (with every core, as no run is training yet)."""
     import gc
@@ -105,7 +88,7 @@ def starting_values(names: list[str], seed: int, args, root: Path, known: dict) 
     keys = {}
     for name in names:
         trainer = Trainer(_config(name, seed, args, root / f"start-{name}"), root / f"start-{name}")
-        key = keys[name] = evaluation_key(trainer)
+        key = keys[name] = trainer.held_out_key(trainer.eval_jobs())
         if key not in known:
             print(f"held-out {args.metric} before training ({name} and every algorithm evaluated alike) ...", flush=True)
             known[key] = {"value": trainer.evaluate()[args.metric], "algorithms": []}
@@ -185,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "(--set NAME:key=value) or write to another --out")
         report["recipes"] = {**{n: r for n, r in kept["recipes"].items() if n not in names}, **report["recipes"]}
         report["algorithms"] = {n: row for n, row in kept["algorithms"].items() if n not in names}
-    # the held-out value before training per evaluation setting (evaluation_key), shared by every algorithm and seed
+    # the held-out value before training per evaluation setting (Trainer.held_out_key), shared by every algorithm and seed
     starts: dict[str, dict] = dict(kept.get("starting_values", {})) if args.merge and args.out.is_file() else {}
     results: dict[tuple[str, int], dict] = {}
     if args.merge and args.out.is_file():

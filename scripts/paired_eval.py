@@ -75,11 +75,7 @@ def evaluate_run(run: Path, args, base_cache: dict) -> dict:
             raise SystemExit(f"{run}: its data has no held-out prompts to evaluate on")
         jobs = held_out_jobs(trainer.test_set, args.samples, None,
                              num_prompts=args.prompts or cfg.trainer.eval_num_prompts)
-        key = json.dumps([OmegaConf.to_container(cfg.model, resolve=True),
-                          OmegaConf.to_container(cfg.reward, resolve=True),
-                          OmegaConf.to_container(cfg.data, resolve=True),
-                          OmegaConf.to_container(cfg.sampler, resolve=True), cfg.trainer.eval_seed, jobs],
-                         sort_keys=True, default=str)
+        key = trainer.held_out_key(jobs)
         t0 = time.perf_counter()
         if key not in base_cache:
             base_cache[key] = score(trainer, jobs)
