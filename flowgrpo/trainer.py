@@ -339,11 +339,13 @@ class Trainer:
                      extras={"prompt_ids": idx})
 
     # ------------------------------------------------------------------ 2. rollout
-    def rollout(self, batch: Batch, iteration: int) -> Batch:
+    def rollout(self, batch: Batch, iteration: int, *, trained_weights: bool = False) -> Batch:
         """Sample the batch's trajectories with the weights the algorithm samples from
-        (``Algorithm.sampling_policy``: the trained ones for the GRPO family)."""
+        (``Algorithm.sampling_policy``: the trained ones for the GRPO family; an old policy for KVPO and
+        DiffusionNFT), or with ``trained_weights`` the weights being trained whatever the algorithm samples with
+        (what a diagnostic of an update's effect re-rolls)."""
         self.policy.iteration, self.policy.epoch = iteration, 0
-        with self.algorithm.sampling_policy(self.policy):
+        with contextlib.nullcontext() if trained_weights else self.algorithm.sampling_policy(self.policy):
             own = self.algorithm.rollout(self.policy, batch)
             return own if own is not None else self._sample(batch, iteration)
 

@@ -222,3 +222,22 @@ def test_advantages_are_relative_to_the_reference_run(rolled):
     assert not bool(batch.extras["beats_reference"][0])
     batch.components.update(comps)
     trainer.algorithm.local_advantages(batch)
+
+
+
+def test_rollouts_sample_with_the_old_policy_unless_asked_for_the_trained_weights(rolled):
+    """Between syncs the rollout streams with the old policy, whatever the trained weights are; ``trained_weights``
+    streams with the trained ones (what a diagnostic of one update re-rolls)."""
+    trainer, batch, _ = rolled
+    saved = [p.detach().clone() for p in trainer.params]
+    try:
+        with torch.no_grad():  # the trained weights move; the old policy (set at the first rollout) does not
+            for p in trainer.params:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        assert torch.equal(trainer.rollout(trainer.plan(0), 0).latents, batch.latents)
+        moved = trainer.rollout(trainer.plan(0), 0, trained_weights=True).latents
+        assert float((moved - batch.latents).abs().max()) > 1e-3
+    finally:
+        with torch.no_grad():
+            for p, v in zip(trainer.params, saved):
+                p.copy_(v)

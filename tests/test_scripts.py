@@ -238,6 +238,28 @@ def test_gradient_snr_compares_independent_policy_gradients(tmp_path):
     assert torch.equal(snr.policy_gradient(trainer, 7), snr.policy_gradient(trainer, 7))
 
 
+def test_probe_update_compares_an_update_with_its_negation_on_the_same_noise(tmp_path):
+    """lr 0 after lr 1e-3, on two batches: every change at lr 0 is exactly 0, which holds only if each probe and
+    each batch's own rollout start from the untrained weights and optimizer; at lr 1e-3 the weights move."""
+    probe = load_script("probe_update")
+    overrides = ["model=tiny_sd3", "reward=jpeg_compressibility", "sampler.num_steps=4", "algo.window.size=2",
+                 "trainer.prompts_per_iteration=2", "trainer.group_size=2", "trainer.train_batch_size=4",
+                 "trainer.gradient_accumulation_steps=1"]
+    report = probe.main(["--lrs", "1e-3", "0", "--batches", "2", "--fresh", "--threads", "1",
+                         "--out", str(tmp_path / "probe.json"), *[a for o in overrides for a in ("--set", o)]])
+    assert json.loads((tmp_path / "probe.json").read_text()) == report
+    assert len(report["probes"]) == 2 * 2 * 2 and report["rollouts_per_batch"] == 4
+    for p in report["probes"]:
+        if p["lr"] == 0:
+            assert p["weight_change_norm"] == 0 and p["same/all/change"] == 0 and p["fresh/all/change"] == 0
+        else:
+            assert p["weight_change_norm"] > 0 and "train/loss" in p["train"]
+    zero = report["summary"]["0"]["same/all"]
+    assert zero["signal"]["mean"] == 0 and zero["sign_independent"]["mean"] == 0
+    assert zero["with_advantages"]["n"] == 4 and len(report["probes"][0]["same/all/group_changes"]) == 2  # 2 groups × 2 batches
+    assert set(report["summary"]["0.001"]) == {"same/all", "fresh/all"}
+
+
 TINY_VIDEO = ["--set", "model=tiny_wan", "--set", "model.height=64", "--set", "model.width=64",
               "--set", "model.num_frames=13"]  # the random Wan twin at the moving-shapes world's size
 
