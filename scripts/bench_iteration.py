@@ -164,6 +164,18 @@ def compose(overrides: list[str]):
         return hydra_compose("train", overrides=overrides)
 
 
+def scratch_trainer(overrides: list[str], prefix: str):
+    """A ``Trainer`` of ``python train.py``'s config with ``overrides`` (no logger, no evaluation before training) in a
+    temporary run directory; returns it with that directory's handle, which deletes the directory when collected, so
+    keep it as long as the trainer. Nothing the trainer writes is kept."""
+    from flowgrpo.trainer import Trainer
+
+    scratch = tempfile.TemporaryDirectory(prefix=prefix)
+    out_dir = Path(scratch.name)
+    cfg = compose(["logger=none", f"trainer.output_dir={out_dir}", "trainer.eval_before=false", *overrides])
+    return Trainer(cfg, out_dir), scratch
+
+
 #: a timed run logs, evaluates and draws nothing
 QUIET = ["logger=none", "trainer.eval_before=false", "trainer.eval_every=0", "trainer.gallery_every=0"]
 

@@ -20,7 +20,6 @@ import argparse
 import itertools
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -29,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
-from bench_iteration import compose, emit  # noqa: E402
+from bench_iteration import compose, emit, scratch_trainer  # noqa: E402
 
 
 def policy_gradient(trainer, noise_iteration: int, plan_iteration: int = 0) -> torch.Tensor:
@@ -60,12 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.batches < 2:
         parser.error("--batches must be >= 2 (cosines are between pairs)")
     torch.set_num_threads(args.threads)
-    from flowgrpo.trainer import Trainer
-
-    scratch = tempfile.TemporaryDirectory(prefix="gradient-snr-")  # deleted with this object: nothing here is kept
-    out_dir = Path(scratch.name)
-    cfg = compose(["logger=none", f"trainer.output_dir={out_dir}", "trainer.eval_before=false", *args.set])
-    trainer = Trainer(cfg, out_dir)
+    trainer, scratch = scratch_trainer(args.set, "gradient-snr-")  # noqa: F841 (the run directory lives with it)
     grads = [policy_gradient(trainer, noise_iteration=1000 + k) for k in range(args.batches)]
     n = len(grads)
     cos = {(i, j): float(torch.nn.functional.cosine_similarity(grads[i], grads[j], dim=0))

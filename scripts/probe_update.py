@@ -32,7 +32,6 @@ import dataclasses
 import math
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
-from bench_iteration import compose, emit  # noqa: E402
+from bench_iteration import emit, scratch_trainer  # noqa: E402
 
 #: noise iterations of the ``--fresh`` rollouts: far from any plan iteration a run or this probe trains on
 FRESH = 1_000_000
@@ -123,12 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     if any(lr < 0 for lr in args.lrs):
         parser.error("--lrs must be >= 0")
     torch.set_num_threads(args.threads)
-    from flowgrpo.trainer import Trainer
-
-    scratch = tempfile.TemporaryDirectory(prefix="probe-update-")  # deleted with this object: nothing here is kept
-    out_dir = Path(scratch.name)
-    cfg = compose(["logger=none", f"trainer.output_dir={out_dir}", "trainer.eval_before=false", *args.set])
-    trainer = Trainer(cfg, out_dir)
+    trainer, scratch = scratch_trainer(args.set, "probe-update-")  # noqa: F841 (the run directory lives with it)
+    cfg = trainer.cfg
     G = cfg.trainer.group_size
     start = snapshot(trainer)
     report = {"overrides": args.set, "algorithm": trainer.algorithm.name, "rollouts_per_batch": trainer.batch.rollouts,
