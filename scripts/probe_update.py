@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import math
 import statistics
 import sys
@@ -195,9 +196,8 @@ def summarise(changes: dict, lrs: list[float], sets: dict, fresh: bool) -> dict:
 
 
 def emit_quietly(report: dict, out: Path | None) -> None:
+    """Write the report so far (an interrupted probe keeps what it measured)."""
     if out:
-        import json
-
         Path(out).write_text(json.dumps(report, indent=2))
 
 
