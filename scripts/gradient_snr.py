@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
-from bench_iteration import compose, emit, scratch_trainer  # noqa: E402
+from bench_iteration import emit, scratch_trainer  # noqa: E402
 
 
 def policy_gradient(trainer, noise_iteration: int, plan_iteration: int = 0) -> torch.Tensor:

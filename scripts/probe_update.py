@@ -132,12 +132,12 @@ def main(argv: list[str] | None = None) -> dict:
               "summary": {}}
     # per (lr, sign, set, kind): group-mean reward changes over every batch, kind "same" or "fresh" noise
     changes: dict[tuple, list[float]] = {}
+    sets = row_sets(trainer, trainer.batch.rollouts_per_process)
     for b in range(args.batches):
         t0 = time.perf_counter()
         restore(trainer, start, float(cfg.trainer.lr))  # every batch is rolled out by the untrained model
         base = trainer.advantage(rolled(trainer, b, b, trained_weights=False))
         fresh0 = rolled(trainer, b, FRESH + b, trained_weights=True) if args.fresh else None
-        sets = row_sets(trainer, len(base.prompts))
         print(f"batch {b}: reward {float(base.rewards.mean()):.4f} (group std "
               f"{float(base.rewards.view(-1, G).std(1).mean()):.4f}), {time.perf_counter() - t0:.0f} s", flush=True)
         for lr in args.lrs:
@@ -172,7 +172,6 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{moved:.3g}, {probe['seconds']:.0f} s", flush=True)
                 report["summary"] = summarise(changes, args.lrs, sets, args.fresh)
                 emit_quietly(report, args.out)
-    restore(trainer, start, float(cfg.trainer.lr))
     return emit(report, args.out)
 
 

@@ -231,10 +231,7 @@ def test_gradient_snr_compares_independent_policy_gradients(tmp_path):
     assert -1 <= report["min_pairwise_cosine"] <= report["mean_pairwise_cosine"] <= report["max_pairwise_cosine"] < 1
     assert all(n > 0 for n in report["gradient_norms"])
     # the estimate is a deterministic function of the noise streams: the same noise gives the same gradient
-    from flowgrpo.trainer import Trainer
-
-    cfg = snr.compose(["logger=none", f"trainer.output_dir={tmp_path}", *overrides])
-    trainer = Trainer(cfg, tmp_path)
+    trainer, _scratch = snr.scratch_trainer(overrides, "gradient-snr-test-")
     assert torch.equal(snr.policy_gradient(trainer, 7), snr.policy_gradient(trainer, 7))
 
 
