@@ -20,6 +20,9 @@ trained weight by about the learning rate (``m / sqrt(v)`` is ±1), so a probe m
 step an Adam run takes. With ``--fresh`` every state is also rolled out from other noise
 of the same prompts (what the update should generalise to; never trained on).
 
+The same summary is given per reward component (``same/component:NAME``, every row), for a reward that has
+components: which of them a step moves.
+
 For KVPO the report splits the reference runs (the unrouted model, what generation uses) from the routed
 branches. Nothing is written besides the JSON: the run directory is a temporary one.
 """
@@ -160,6 +163,10 @@ def main(argv: list[str] | None = None) -> dict:
                     if before is None:
                         continue
                     delta = (now.rewards - before.rewards).double().cpu()
+                    for component in sorted(now.components or {}):  # what the change is made of, all rows
+                        part = (now.components[component] - before.components[component]).double().cpu()
+                        changes.setdefault((lr, sign, f"component:{component}", kind), []).extend(
+                            group_means(part, sets["all"], G))
                     for name, rows in sets.items():
                         per_group = group_means(delta, rows, G)
                         changes.setdefault((lr, sign, name, kind), []).extend(per_group)
@@ -182,8 +189,9 @@ def summarise(changes: dict, lrs: list[float], sets: dict, fresh: bool) -> dict:
     out = {}
     for lr in lrs:
         row = {}
+        components = sorted({k[2] for k in changes if k[0] == lr and k[2].startswith("component:")})
         for kind in ("same", "fresh") if fresh else ("same",):
-            for name in sets:
+            for name in [*sets, *components]:
                 plus, minus = changes.get((lr, 1, name, kind)), changes.get((lr, -1, name, kind))
                 if not plus or not minus or len(plus) != len(minus):
                     continue

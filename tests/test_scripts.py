@@ -254,7 +254,11 @@ def test_probe_update_compares_an_update_with_its_negation_on_the_same_noise(tmp
     zero = report["summary"]["0"]["same/all"]
     assert zero["signal"]["mean"] == 0 and zero["sign_independent"]["mean"] == 0
     assert zero["with_advantages"]["n"] == 4 and len(report["probes"][0]["same/all/group_changes"]) == 2  # 2 groups × 2 batches
-    assert set(report["summary"]["0.001"]) == {"same/all", "fresh/all"}
+    assert set(report["summary"]["0.001"]) == {"same/all", "fresh/all", "same/component:jpeg_kb",
+                                               "fresh/component:jpeg_kb"}
+    assert report["summary"]["0"]["same/component:jpeg_kb"]["sign_independent"]["mean"] == 0
+    moved = report["summary"]["0.001"]["same/component:jpeg_kb"]["with_advantages"]
+    assert moved["n"] == 4 and moved["mean"] != 0  # the compressed size moves with the weights
 
 
 TINY_VIDEO = ["--set", "model=tiny_wan", "--set", "model.height=64", "--set", "model.width=64",
