@@ -564,7 +564,8 @@ def test_an_explicit_choice_is_never_rewritten(hydra_compose):
 def test_a_recipe_runs_every_algorithm_at_that_algorithms_defaults(hydra_compose, option):
     """``experiment=video_shapes algo=X``: the recipe's world (model, reward, data, budget) with X at its own
     defaults, but for the knobs measured on this world for Flow-GRPO (conf/experiment_algo/video_shapes/grpo.yaml),
-    which apply only to ``algo=grpo``; the recipe's own algorithm is AWM at its defaults."""
+    which apply only to ``algo=grpo``, and for AWM's, the recipe's own algorithm (its batch of 8 prompts and no KL
+    to the base, conf/experiment_algo/video_shapes/awm.yaml)."""
     world = ["experiment=video_shapes", f"algo={option}"]
     if ALGORITHMS[option].streaming:  # a streaming algorithm needs a streaming model: a clear error, not a key error
         with pytest.raises(ConfigError, match="streaming"):
@@ -572,17 +573,21 @@ def test_a_recipe_runs_every_algorithm_at_that_algorithms_defaults(hydra_compose
         return
     cfg = hydra_compose(world + (["+algo.teachers.t=conf"] if option == "flow_opd" else []))
     validate(cfg)
-    assert (cfg.model.pretrained, cfg.reward.name, cfg.trainer.prompts_per_iteration) == ("assets/tiny-wan-shapes",
-                                                                                  "video_geneval", 4)
+    assert (cfg.model.pretrained, cfg.reward.name, cfg.trainer.prompts_per_iteration) == (
+        "assets/tiny-wan-shapes", "video_geneval", 8 if option == "awm" else 4)
     own = hydra_compose(["experiment=video_shapes"]).algo
-    assert OmegaConf.to_container(own) == OmegaConf.to_container(hydra_compose(["algo=awm"]).algo)
-    if option == "grpo":
+    assert OmegaConf.to_container(own) == {**OmegaConf.to_container(hydra_compose(["algo=awm"]).algo), "kl_beta": 0.0}
+    if option == "awm":
+        assert OmegaConf.to_container(cfg.algo) == OmegaConf.to_container(own)
+    elif option == "grpo":
         assert (cfg.algo.timestep_fraction, cfg.algo.timestep_selection) == (0.3, "first")
     else:
         defaults = hydra_compose([f"algo={option}"] + (["+algo.teachers.t=conf"] if option == "flow_opd" else [])).algo
         assert OmegaConf.to_container(cfg.algo) == OmegaConf.to_container(defaults)
     # the command line still wins over the recipe's knobs
     assert hydra_compose(["experiment=video_shapes", "algo=grpo", "algo.timestep_fraction=0.5"]).algo.timestep_fraction == 0.5
+    mine = hydra_compose(["experiment=video_shapes", "trainer.prompts_per_iteration=4", "algo.kl_beta=0.001"])
+    assert (mine.trainer.prompts_per_iteration, mine.algo.kl_beta) == (4, 0.001)
 
 
 def test_help_lists_the_recipes_and_no_hidden_groups(tmp_path):

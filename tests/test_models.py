@@ -266,6 +266,43 @@ def test_wan22_expand_timesteps_reproduces_pipeline():
     assert (latents - reference).abs().max() <= 1e-4
 
 
+def test_wan_vae_channel_norms_are_swapped_and_agree_with_the_original():
+    """The Wan adapter swaps its VAE's ``WanRMS_norm`` for the sum-of-squares form: same state dict, same values up
+    to float rounding (float32 and bfloat16, both channel layouts), and the swapped VAE decodes as the original."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
+
+    from flowgrpo.models.wan import _ChannelRMSNorm, use_fast_channel_norms
+
+    torch.manual_seed(0)
+    for channel_first, images, shape in ((True, False, (2, 8, 3, 5, 6)), (True, True, (2, 8, 5, 6)),
+                                         (False, False, (2, 5, 8))):
+        ref = WanRMS_norm(8, channel_first=channel_first, images=images)
+        with torch.no_grad():
+            ref.gamma.normal_()
+        fast = _ChannelRMSNorm(8, channel_first=channel_first, images=images)
+        fast.load_state_dict(ref.state_dict())
+        x = torch.randn(shape)
+        x[0, ..., 0] = 0.0  # an all-zero channel vector: F.normalize's eps keeps it at zero
+        assert (fast(x) - ref(x)).abs().max() <= 1e-6
+        xb = x.bfloat16()
+        assert fast(xb).dtype == ref(xb).dtype  # float32 parameters promote, as the original's
+        assert (fast(xb).float() - ref(xb).float()).abs().max() <= 2e-2  # one bfloat16 ulp at |y| ~ 3
+    pipe = build_tiny_pipeline("wan")
+    before = {k: v.clone() for k, v in pipe.vae.state_dict().items()}
+    latents = torch.randn(1, pipe.vae.config.z_dim, 2, 4, 4)
+    with torch.no_grad():
+        expected = pipe.vae.decode(latents).sample
+    norms = sum(type(m) is WanRMS_norm for m in pipe.vae.modules())
+    assert norms > 0
+    WanAdapter.from_pipeline(pipe)
+    assert sum(type(m) is _ChannelRMSNorm for m in pipe.vae.modules()) == norms
+    assert use_fast_channel_norms(pipe.vae) == 0  # already swapped
+    after = pipe.vae.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    with torch.no_grad():
+        assert (pipe.vae.decode(latents).sample - expected).abs().max() <= 1e-5
+
+
 def test_from_pipeline_dispatch_and_wan_scheduler_swap():
     from diffusers import UniPCMultistepScheduler
 

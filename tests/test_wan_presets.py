@@ -217,6 +217,12 @@ def test_decode_in_chunks_is_the_one_call_decode(ti2v, monkeypatch):
         chunked = adapter.decode(latents)
     assert calls == [2, 1] and chunked.shape == whole.shape == (3, 5, 3, 32, 32)
     assert (chunked - whole).abs().max() <= 1e-6
+    calls.clear()  # on CPU the smaller of the two budgets chunks
+    monkeypatch.setattr(WanAdapter, "decode_pixels_per_call", 2**25)
+    monkeypatch.setattr(WanAdapter, "cpu_decode_pixels_per_call", 5 * 32 * 32)  # one clip per call
+    with torch.no_grad():
+        single = adapter.decode(latents)
+    assert calls == [1, 1, 1] and (single - whole).abs().max() <= 1e-6
 
 
 # ---------------------------------------------------------------------------------------- experiments
