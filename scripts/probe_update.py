@@ -92,12 +92,16 @@ def mean_se(values: list[float]) -> dict:
 
 
 def group_means(delta: torch.Tensor, rows: torch.Tensor, group_size: int) -> list[float]:
-    """Per prompt group, the mean of ``delta`` over the group's rows selected by ``rows`` (bool ``[n]``)."""
+    """Per prompt group, the mean of ``delta`` over the group's rows selected by ``rows`` (bool ``[n]``); rows where
+    ``delta`` is NaN (a reward component the prompt does not define) are left out, and a group with none left is
+    NaN."""
     out = []
     for g in range(len(delta) // group_size):
         sel = rows[g * group_size:(g + 1) * group_size]
         if sel.any():
-            out.append(float(delta[g * group_size:(g + 1) * group_size][sel].mean()))
+            values = delta[g * group_size:(g + 1) * group_size][sel]
+            values = values[~torch.isnan(values)]
+            out.append(float(values.mean()) if len(values) else math.nan)
     return out
 
 
@@ -195,6 +199,10 @@ def summarise(changes: dict, lrs: list[float], sets: dict, fresh: bool) -> dict:
                 plus, minus = changes.get((lr, 1, name, kind)), changes.get((lr, -1, name, kind))
                 if not plus or not minus or len(plus) != len(minus):
                     continue
+                pairs = [(p, m) for p, m in zip(plus, minus) if not (math.isnan(p) or math.isnan(m))]
+                if not pairs:  # a component no probed group defines
+                    continue
+                plus, minus = [p for p, _ in pairs], [m for _, m in pairs]
                 row[f"{kind}/{name}"] = {"with_advantages": mean_se(plus), "negated": mean_se(minus),
                                          "signal": mean_se([p - m for p, m in zip(plus, minus)]),
                                          "sign_independent": mean_se([(p + m) / 2 for p, m in zip(plus, minus)])}

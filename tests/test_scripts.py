@@ -259,6 +259,15 @@ def test_probe_update_compares_an_update_with_its_negation_on_the_same_noise(tmp
     assert report["summary"]["0"]["same/component:jpeg_kb"]["sign_independent"]["mean"] == 0
     moved = report["summary"]["0.001"]["same/component:jpeg_kb"]["with_advantages"]
     assert moved["n"] == 4 and moved["mean"] != 0  # the compressed size moves with the weights
+    # a component a prompt does not define (NaN on its rows, as video GenEval's per-tag parts) is left out, per row and
+    # per group, rather than poisoning the statistics
+    nan = float("nan")
+    assert probe.group_means(torch.tensor([1.0, nan, nan, nan, 2.0, 4.0]), torch.ones(6, dtype=torch.bool), 2) == [
+        1.0, pytest.approx(nan, nan_ok=True), 3.0]
+    changes = {(1.0, 1, "component:c", "same"): [1.0, nan, 3.0], (1.0, -1, "component:c", "same"): [0.0, nan, 1.0],
+               (1.0, 1, "component:none", "same"): [nan], (1.0, -1, "component:none", "same"): [nan]}
+    row = probe.summarise(changes, [1.0], {}, False)["1"]
+    assert set(row) == {"same/component:c"} and row["same/component:c"]["signal"] == {"mean": 1.5, "se": 0.5, "n": 2}
 
 
 TINY_VIDEO = ["--set", "model=tiny_wan", "--set", "model.height=64", "--set", "model.width=64",
