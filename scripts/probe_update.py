@@ -18,7 +18,8 @@ float noise, the KL term alone) leaves it at 0. That part, the mean of the two c
 what a step of that size costs (or gains) whichever way it points. A fresh optimizer's first AdamW step moves every
 trained weight by about the learning rate (``m / sqrt(v)`` is ±1), so a probe measures sign descent, the noisiest
 step an Adam run takes. With ``--fresh`` every state is also rolled out from other noise
-of the same prompts (what the update should generalise to; never trained on).
+of the same prompts, and with ``--other`` every state is rolled out on another batch's prompts and noise (what
+a run's held-out evaluation asks of an update: prompts it was not computed from).
 
 The same summary is given per reward component (``same/component:NAME``, every row), for a reward that has
 components: which of them a step moves.
@@ -49,6 +50,9 @@ from bench_iteration import emit, scratch_trainer  # noqa: E402
 
 #: noise iterations of the ``--fresh`` rollouts: far from any plan iteration a run or this probe trains on
 FRESH = 1_000_000
+#: plan (and noise) iterations of the ``--other`` rollouts: another draw of the training prompts than any probed
+#: batch's (a prompt may recur by chance, as it does across a run's iterations)
+OTHER = 2_000_000
 
 
 def snapshot(trainer) -> dict:
@@ -73,8 +77,6 @@ def restore(trainer, snap: dict, lr: float) -> None:
     for group in trainer.optimizer.param_groups:
         group["initial_lr"], group["lr"] = lr, lr * factor
     trainer.algorithm.load_state_dict(copy.deepcopy(snap["algorithm"]))
-    if hasattr(trainer.algorithm, "_cache"):  # KVPO's per-iteration score cache: keyed by weights it no longer has
-        trainer.algorithm._cache = {}
     trainer.updates = snap["updates"]
 
 
@@ -122,6 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", type=int, default=1, help="iterations' plans probed (0, 1, ...)")
     parser.add_argument("--updates", type=int, default=1, help="algorithm updates applied to the batch per probe")
     parser.add_argument("--fresh", action="store_true", help="also roll out every state from other noise")
+    parser.add_argument("--other", action="store_true",
+                        help="also roll out every state on another batch's prompts (never trained on) and noise")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here (after every probe)")
     args = parser.parse_args(argv)
@@ -145,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
         restore(trainer, start, float(cfg.trainer.lr))  # every batch is rolled out by the untrained model
         base = trainer.advantage(rolled(trainer, b, b, trained_weights=False))
         fresh0 = rolled(trainer, b, FRESH + b, trained_weights=True) if args.fresh else None
+        other0 = rolled(trainer, OTHER + b, OTHER + b, trained_weights=True) if args.other else None
         print(f"batch {b}: reward {float(base.rewards.mean()):.4f} (group std "
               f"{float(base.rewards.view(-1, G).std(1).mean()):.4f}), {time.perf_counter() - t0:.0f} s", flush=True)
         for lr in args.lrs:
@@ -163,7 +168,9 @@ def main(argv: list[str] | None = None) -> dict:
                          "train": {k: round(v, 6) for k, v in train.items()}}
                 for kind, before, now in (("same", base, after),
                                           ("fresh", fresh0, rolled(trainer, b, FRESH + b, trained_weights=True)
-                                           if args.fresh else None)):
+                                           if args.fresh else None),
+                                          ("other", other0, rolled(trainer, OTHER + b, OTHER + b,
+                                                                   trained_weights=True) if args.other else None)):
                     if before is None:
                         continue
                     delta = (now.rewards - before.rewards).double().cpu()
@@ -181,12 +188,12 @@ def main(argv: list[str] | None = None) -> dict:
                 report["probes"].append(probe)
                 print(f"  lr {lr:g} sign {sign:+d}: same-noise change {probe['same/all/change']:+.4f}, weights moved "
                       f"{moved:.3g}, {probe['seconds']:.0f} s", flush=True)
-                report["summary"] = summarise(changes, args.lrs, sets, args.fresh)
+                report["summary"] = summarise(changes, args.lrs, sets, args.fresh, args.other)
                 emit_quietly(report, args.out)
     return emit(report, args.out)
 
 
-def summarise(changes: dict, lrs: list[float], sets: dict, fresh: bool) -> dict:
+def summarise(changes: dict, lrs: list[float], sets: dict, fresh: bool, other: bool = False) -> dict:
     """Per learning rate: the mean change with the advantages, with them negated, their paired difference
     (``signal``: what the update took from the rewards) and their mean (``sign_independent``: what a step of that
     size does whichever way it points)."""
@@ -194,7 +201,7 @@ def summarise(changes: dict, lrs: list[float], sets: dict, fresh: bool) -> dict:
     for lr in lrs:
         row = {}
         components = sorted({k[2] for k in changes if k[0] == lr and k[2].startswith("component:")})
-        for kind in ("same", "fresh") if fresh else ("same",):
+        for kind in ("same",) + (("fresh",) if fresh else ()) + (("other",) if other else ()):
             for name in [*sets, *components]:
                 plus, minus = changes.get((lr, 1, name, kind)), changes.get((lr, -1, name, kind))
                 if not plus or not minus or len(plus) != len(minus):

@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 
 import flowgrpo.config  # noqa: F401  (registers the schemas)
 from flowgrpo.algorithms.kvpo import RoutingPlan, kvpo_loss, route_fn, unrouted_positions
+from flowgrpo.algorithms.old_policy import OldPolicy
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -241,3 +242,30 @@ def test_rollouts_sample_with_the_old_policy_unless_asked_for_the_trained_weight
         with torch.no_grad():
             for p, v in zip(trainer.params, saved):
                 p.copy_(v)
+
+
+def test_loading_a_state_forgets_the_scores_of_the_old_policy_it_replaces(rolled):
+    """Scores are cached per iteration; a loaded state (a resume, a diagnostic's restore) brings another old policy,
+    whose scores are computed afresh instead of read from the cache of the one it replaced."""
+    trainer, batch, _ = rolled
+    algo, ctx = trainer.algorithm, trainer.policy
+    ctx.iteration, ctx.epoch = 0, 0
+    kept = algo.state_dict()
+    before = algo._group_scores(ctx, batch, 0, "old").clone()
+    saved = [p.detach().clone() for p in trainer.params]
+    try:
+        with torch.no_grad():  # another old policy: the trained weights moved, then synced into it
+            for p in trainer.params:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        other = OldPolicy()
+        other.move(trainer.params)
+        algo.load_state_dict({"old": other.state_dict(), "iterations_since_sync": 0})
+        after = algo._group_scores(ctx, batch, 0, "old")
+        with torch.no_grad():
+            fresh = algo.replay_scores(ctx, batch, torch.tensor([0, 1]), grad=False)
+        assert torch.equal(after, fresh) and float((after - before).abs().max()) > 1e-6
+    finally:
+        with torch.no_grad():
+            for p, v in zip(trainer.params, saved):
+                p.copy_(v)
+        algo.load_state_dict(kept)

@@ -242,20 +242,23 @@ def test_probe_update_compares_an_update_with_its_negation_on_the_same_noise(tmp
     overrides = ["model=tiny_sd3", "reward=jpeg_compressibility", "sampler.num_steps=4", "algo.window.size=2",
                  "trainer.prompts_per_iteration=2", "trainer.group_size=2", "trainer.train_batch_size=4",
                  "trainer.gradient_accumulation_steps=1"]
-    report = probe.main(["--lrs", "1e-3", "0", "--batches", "2", "--fresh", "--threads", "1",
+    report = probe.main(["--lrs", "1e-3", "0", "--batches", "2", "--fresh", "--other", "--threads", "1",
                          "--out", str(tmp_path / "probe.json"), *[a for o in overrides for a in ("--set", o)]])
     assert json.loads((tmp_path / "probe.json").read_text()) == report
     assert len(report["probes"]) == 2 * 2 * 2 and report["rollouts_per_batch"] == 4
     for p in report["probes"]:
         if p["lr"] == 0:
             assert p["weight_change_norm"] == 0 and p["same/all/change"] == 0 and p["fresh/all/change"] == 0
+            assert p["other/all/change"] == 0
         else:
             assert p["weight_change_norm"] > 0 and "train/loss" in p["train"]
     zero = report["summary"]["0"]["same/all"]
     assert zero["signal"]["mean"] == 0 and zero["sign_independent"]["mean"] == 0
     assert zero["with_advantages"]["n"] == 4 and len(report["probes"][0]["same/all/group_changes"]) == 2  # 2 groups × 2 batches
-    assert set(report["summary"]["0.001"]) == {"same/all", "fresh/all", "same/component:jpeg_kb",
-                                               "fresh/component:jpeg_kb"}
+    assert set(report["summary"]["0.001"]) == {f"{kind}/{name}" for kind in ("same", "fresh", "other")
+                                               for name in ("all", "component:jpeg_kb")}
+    # the other batch's prompts are not the probed batch's
+    assert report["probes"][0]["other/all/before"] != report["probes"][0]["same/all/before"]
     assert report["summary"]["0"]["same/component:jpeg_kb"]["sign_independent"]["mean"] == 0
     moved = report["summary"]["0.001"]["same/component:jpeg_kb"]["with_advantages"]
     assert moved["n"] == 4 and moved["mean"] != 0  # the compressed size moves with the weights

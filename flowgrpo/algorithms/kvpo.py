@@ -966,6 +966,7 @@ class KVPO(Algorithm):
     def load_state_dict(self, state: dict) -> None:
         self.old.load_state_dict(state.get("old"))
         self.iterations_since_sync = int(state.get("iterations_since_sync", 0))
+        self._cache = {}  # scores of weights the loaded state may no longer hold
 
     def describe(self) -> str:
         c = self.cfg
