@@ -10,7 +10,9 @@ r"""Experiment presets side by side over seeds, at each preset's own budget: JSO
 
 Each run is ``python train.py experiment=<preset> trainer.seed=<seed> [--set ...] [--arm-set ...]``, one after the
 other so that their clocks do not share the CPU. An arm is a preset, or ``name=preset`` with overrides of its own
-(``--arm-set name key=value ...``): two arms may share a preset and differ in one knob. Every run's directory is
+(``--arm-set name key=value ...``): two arms may share a preset and differ in one knob; ``name=`` (no preset) runs
+the defaults, ``python train.py`` with the arm's overrides. The JSON records the commit the runs' code was at and
+each arm's command. Every run's directory is
 kept under ``--runs`` as ``<arm>_seed<seed>``; a run already finished there is read back instead of run again, so an
 interrupted comparison resumes where it stopped, and the JSON is rewritten after every run. A run stopped part-way
 (SIGTERM: its ``summary.json`` says ``stopped``; or killed after a checkpoint) continues from its newest checkpoint
@@ -46,8 +48,8 @@ def run(arm: str, seed: int, runs: Path, extra: list[str], metrics: list[str], *
         resume = (out / "checkpoints" / "latest").is_file()
         spent = json.loads(clock.read_text())["seconds"] if resume and clock.is_file() else 0.0
         start = time.time()
-        cmd = [sys.executable, str(REPO / "train.py"), f"experiment={preset or arm}", f"trainer.seed={seed}",
-               f"hydra.run.dir={out}", *extra, *([f"trainer.resume={out}"] if resume else [])]
+        cmd = [sys.executable, str(REPO / "train.py"), *command_overrides(arm, preset, extra), f"trainer.seed={seed}",
+               f"hydra.run.dir={out}", *([f"trainer.resume={out}"] if resume else [])]
         with open(runs / f"{arm}_seed{seed}.log", "a" if resume else "w") as log:
             returncode = _run_forwarding_signals(cmd, log)
         out.mkdir(parents=True, exist_ok=True)
@@ -67,6 +69,25 @@ def run(arm: str, seed: int, runs: Path, extra: list[str], metrics: list[str], *
         result["train"] = {m: {"first_quarter": _quarter(train, m, last=False), "last_quarter": _quarter(train, m, last=True)}
                            for m in train_metrics}
     return result
+
+
+def command_overrides(arm: str, preset: str | None, extra: list[str]) -> list[str]:
+    """What an arm's runs add to ``python train.py`` besides the seed: ``experiment=<preset>`` (none for an arm
+    whose preset is empty, ``name=``: the defaults) and the arm's overrides."""
+    preset = arm if preset is None else preset
+    return [*([f"experiment={preset}"] if preset else []), *extra]
+
+
+def source_commit() -> str:
+    """The commit the runs' code is at (``+changes`` when the work tree has uncommitted changes to tracked files)."""
+    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                           text=True)
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
+#: the code the runs use: the commit when this script started
+STARTED_AT = source_commit()
 
 
 def _run_forwarding_signals(cmd: list[str], log) -> int:
@@ -175,7 +196,7 @@ def main(argv=None, *, description: str | None = None, defaults: dict | None = N
                 **(defaults or {})}
     p = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0])
     p.add_argument("--arms", default=defaults["arms"], required=defaults["arms"] is None,
-                   help="experiment presets (or name=preset), comma-separated")
+                   help="experiment presets (or name=preset; name= for the defaults, no preset), comma-separated")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--runs", default=defaults["runs"], required=defaults["runs"] is None, help="run directories")
     p.add_argument("--out", default=defaults["out"], required=defaults["out"] is None,
@@ -193,6 +214,8 @@ def main(argv=None, *, description: str | None = None, defaults: dict | None = N
     arms = {}
     for spec in args.arms.split(","):
         name, _, preset = spec.rpartition("=")
+        if not (name or preset):
+            raise SystemExit(f"--arms {args.arms!r}: an empty arm (give a preset, name=preset or name=)")
         arms[name or preset] = preset
     arm_set = {}
     for name, *overrides in args.arm_set:
@@ -217,7 +240,12 @@ def main(argv=None, *, description: str | None = None, defaults: dict | None = N
             results.append(run(arm, seed, runs, args.set + arm_set.get(arm, []), metrics, preset=preset,
                                train_metrics=train_metrics))
             report = {"arms": summarise(results, metrics), "runs": results, "overrides": args.set,
-                      "arm_presets": arms, "arm_overrides": arm_set}
+                      "arm_presets": arms, "arm_overrides": arm_set, "commit": STARTED_AT,
+                      "command": " ".join(["python scripts/compare_presets.py", *(argv if argv is not None
+                                                                                   else sys.argv[1:])]),
+                      "arm_commands": {a: " ".join(["python train.py", *command_overrides(a, arms[a], args.set
+                                                                                            + arm_set.get(a, []))])
+                                       for a in arms}}
             out.with_suffix(".json").write_text(json.dumps(report, indent=2))
             out.with_suffix(".md").write_text(table(report["arms"], cols) + "\n")
             plot(results, out.with_suffix(".png"), shown)

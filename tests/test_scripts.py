@@ -355,6 +355,28 @@ def test_compare_presets_reads_finished_runs_and_reports_mean_std_and_curves(tmp
                       "--metrics", "eval/strict", "--columns", "eval/partial=partial"])
 
 
+def test_compare_presets_arm_without_a_preset_runs_the_defaults_and_the_report_names_commands_and_commit(tmp_path):
+    """``name=`` is an arm of ``python train.py`` itself (no ``experiment=``), with its own overrides; the report
+    records each arm's command and the commit of the code that ran."""
+    compare = load_script("compare_presets")
+    assert compare.command_overrides("default", "", ["trainer.lr=1e-4"]) == ["trainer.lr=1e-4"]
+    assert compare.command_overrides("flow", None, []) == ["experiment=flow"]
+    runs = tmp_path / "runs"
+    for arm in ("default", "flash"):
+        d = runs / f"{arm}_seed0"
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text("{}")
+        (d / "wall_clock.json").write_text(json.dumps({"seconds": 60.0}))
+        (d / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "eval/strict": 0.2}) + "\n")
+    report = compare.main(["--arms", "default=,flash=", "--arm-set", "flash", "algo=flash_grpo", "--seeds", "0",
+                           "--runs", str(runs), "--out", str(tmp_path / "cmp"), "--metrics", "eval/strict"])
+    assert report["arm_commands"] == {"default": "python train.py", "flash": "python train.py algo=flash_grpo"}
+    assert report["command"].startswith("python scripts/compare_presets.py --arms default=,flash=")
+    assert len(report["commit"].removesuffix("+changes")) == 7
+    with pytest.raises(SystemExit, match="empty arm"):
+        compare.main(["--arms", "a,", "--runs", str(runs), "--out", str(tmp_path / "x")])
+
+
 def test_compare_presets_continues_a_stopped_run_from_its_checkpoint(tmp_path, monkeypatch):
     """A run whose summary says it stopped early (SIGTERM) is run again with ``trainer.resume=<its dir>``, its wall
     clock adding to the time already spent; a finished run is not run again; a run that stops again ends the
