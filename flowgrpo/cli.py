@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import atomic_write_text
 from .config import validate
-from .runlog import LOG_NAME, log, run_log
+from .runlog import LOG_NAME, code_version, log, run_log
 
 __all__ = ["main", "resolve_output_dir"]
 
@@ -127,10 +127,13 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     out = _shared_output_dir(cfg, accelerator)
     main_process = accelerator.is_main_process
     _adopt_hydra_dir(out, main_process)
+    code = code_version() if main_process else None  # the code as it is when the run starts
     try:
         with run_log(out, main=main_process):
             if main_process:
                 OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+                if code:
+                    log.info(f"code: commit {code['commit']}{' with uncommitted changes' if code['changes'] else ''}")
             trainer = Trainer(cfg, out, accelerator=accelerator)
             summary = trainer.fit()
             if main_process:
@@ -142,6 +145,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
                     cause = getattr(err, "strerror", None) or f"{type(err).__name__}: {err}"
                     warnings.warn(f"could not write {curves}: {cause}; the run goes on", RuntimeWarning, stacklevel=2)
                 summary["output_dir"] = str(out)
+                summary["code"] = code
                 path = out / "summary.json"
                 try:
                     atomic_write_text(path, json.dumps(summary, indent=2, default=str))

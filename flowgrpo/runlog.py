@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import subprocess
 import sys
 import traceback
 import warnings
@@ -141,3 +142,20 @@ def run_log(run_dir: str | Path, main: bool = True) -> Iterator[Path | None]:
             root.removeHandler(handler)
             handler.close()
             del _active[path]
+
+
+def code_version(where: str | Path | None = None) -> dict | None:
+    """The git commit of the code at ``where`` (default: this package) and whether tracked files differ from it:
+    ``{"commit": "abc1234", "changes": False}``; None outside a git work tree (an installed package) or without git.
+    A run records it so that a published number names the code that produced it."""
+    where = Path(where) if where is not None else Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=where, capture_output=True, text=True,
+                              timeout=30)
+        if head.returncode != 0:
+            return None
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+                                capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": head.stdout.strip(), "changes": bool(status.stdout.strip())}

@@ -11,8 +11,8 @@ r"""Experiment presets side by side over seeds, at each preset's own budget: JSO
 Each run is ``python train.py experiment=<preset> trainer.seed=<seed> [--set ...] [--arm-set ...]``, one after the
 other so that their clocks do not share the CPU. An arm is a preset, or ``name=preset`` with overrides of its own
 (``--arm-set name key=value ...``): two arms may share a preset and differ in one knob; ``name=`` (no preset) runs
-the defaults, ``python train.py`` with the arm's overrides. The JSON records the commit the runs' code was at and
-each arm's command. Every run's directory is
+the defaults, ``python train.py`` with the arm's overrides. The JSON records each arm's command and the commit of
+the runs' code (the one each run's ``summary.json`` names, else the one this script started at). Every run's directory is
 kept under ``--runs`` as ``<arm>_seed<seed>``; a run already finished there is read back instead of run again, so an
 interrupted comparison resumes where it stopped, and the JSON is rewritten after every run. A run stopped part-way
 (SIGTERM: its ``summary.json`` says ``stopped``; or killed after a checkpoint) continues from its newest checkpoint
@@ -62,7 +62,9 @@ def run(arm: str, seed: int, runs: Path, extra: list[str], metrics: list[str], *
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     seconds = json.loads((out / "wall_clock.json").read_text())["seconds"]
+    code = json.loads(summary.read_text()).get("code")  # the run's own record of its code, where it has one
     result = {"arm": arm, "seed": seed, "seconds": round(seconds, 1), "dir": str(out),
+              "commit": code["commit"] + ("+changes" if code["changes"] else "") if code else None,
               "evals": [{"iteration": e["iteration"], **{m: e.get(m) for m in metrics}} for e in evals]}
     if train_metrics:
         train = [r for r in rows if not any(k.startswith("eval/") for k in r)]
@@ -88,6 +90,13 @@ def source_commit() -> str:
 
 #: the code the runs use: the commit when this script started
 STARTED_AT = source_commit()
+
+
+def runs_commit(results: list[dict]) -> str | list[str]:
+    """The commit of the runs' code: each run's own record (``summary.json``'s ``code``), else the commit this script
+    started at; a list when the runs differ."""
+    commits = sorted({r.get("commit") or STARTED_AT for r in results})
+    return commits[0] if len(commits) == 1 else commits
 
 
 def _run_forwarding_signals(cmd: list[str], log) -> int:
@@ -240,7 +249,7 @@ def main(argv=None, *, description: str | None = None, defaults: dict | None = N
             results.append(run(arm, seed, runs, args.set + arm_set.get(arm, []), metrics, preset=preset,
                                train_metrics=train_metrics))
             report = {"arms": summarise(results, metrics), "runs": results, "overrides": args.set,
-                      "arm_presets": arms, "arm_overrides": arm_set, "commit": STARTED_AT,
+                      "arm_presets": arms, "arm_overrides": arm_set, "commit": runs_commit(results),
                       "command": " ".join(["python scripts/compare_presets.py", *(argv if argv is not None
                                                                                    else sys.argv[1:])]),
                       "arm_commands": {a: " ".join(["python train.py", *command_overrides(a, arms[a], args.set

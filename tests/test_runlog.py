@@ -140,3 +140,14 @@ def test_the_final_summary_reports_a_change_only_where_both_ends_are_defined(mon
     assert "eval/reward: 0.250 → 0.500 (+0.250)" in text
     assert "eval/max_jump_px: nan → 3.000\n" in text + "\n" and "+nan" not in text
     assert summary["eval_last"]["eval/max_jump_px"] == 3.0
+
+
+def test_code_version_names_the_commit_of_the_code_and_nothing_outside_git(tmp_path):
+    from flowgrpo.runlog import code_version
+
+    repo = Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=repo, capture_output=True, text=True)
+    version = code_version(repo)
+    assert version["commit"] == head.stdout.strip() and isinstance(version["changes"], bool)
+    assert code_version() == version  # the package's own checkout
+    assert code_version(tmp_path) is None  # an installed package: no git work tree, no guess

@@ -365,14 +365,15 @@ def test_compare_presets_arm_without_a_preset_runs_the_defaults_and_the_report_n
     for arm in ("default", "flash"):
         d = runs / f"{arm}_seed0"
         d.mkdir(parents=True)
-        (d / "summary.json").write_text("{}")
+        (d / "summary.json").write_text(json.dumps({"code": {"commit": "abc1234", "changes": arm == "flash"}}))
         (d / "wall_clock.json").write_text(json.dumps({"seconds": 60.0}))
         (d / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "eval/strict": 0.2}) + "\n")
     report = compare.main(["--arms", "default=,flash=", "--arm-set", "flash", "algo=flash_grpo", "--seeds", "0",
                            "--runs", str(runs), "--out", str(tmp_path / "cmp"), "--metrics", "eval/strict"])
     assert report["arm_commands"] == {"default": "python train.py", "flash": "python train.py algo=flash_grpo"}
     assert report["command"].startswith("python scripts/compare_presets.py --arms default=,flash=")
-    assert len(report["commit"].removesuffix("+changes")) == 7
+    assert report["commit"] == ["abc1234", "abc1234+changes"]  # what each run says it ran
+    assert [r["commit"] for r in report["runs"]] == ["abc1234", "abc1234+changes"]
     with pytest.raises(SystemExit, match="empty arm"):
         compare.main(["--arms", "a,", "--runs", str(runs), "--out", str(tmp_path / "x")])
 
