@@ -160,6 +160,11 @@ def test_validate_metadata_names_the_field():
         ({"tag": "position", "include": [{"class": "circle", "count": 1, "position": ["near", 0]}]}, r"include\[0\]\.position\[0\]"),
         ({"tag": "position", "include": [{"class": "circle", "count": 1, "position": ["above", 0]}]}, r"include\[0\]\.position\[1\]"),
         ({"tag": "counting", "include": [{"class": "circle", "count": 2}], "exclude": [{"class": "circle"}]}, r"exclude\[0\]\.count"),
+        # a misspelt key is refused, not ignored (the clause would be judged as an uncoloured circle)
+        ({"tag": "colors", "include": [{"class": "circle", "count": 1, "colour": "red"}]},
+         r"include\[0\]: unknown key 'colour' \(did you mean 'color'\?\)"),
+        ({"tag": "counting", "include": [{"class": "circle", "count": 2}],
+          "exclude": [{"class": "circle", "count": 3, "color": "red"}]}, r"exclude\[0\]: unknown key 'color'"),
     ]
     for meta, pattern in cases:
         with pytest.raises(ValueError, match=pattern):

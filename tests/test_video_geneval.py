@@ -398,3 +398,13 @@ def test_cli_judges_frame_dirs_npy_and_mp4(tmp_path, capsys):
     (tmp_path / "extra.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metas[:3]))
     with pytest.raises(SystemExit, match="4 clips"):
         main(["video_geneval", "--videos", str(videos), "--metadata", str(tmp_path / "extra.jsonl")])
+
+
+def test_video_metadata_refuses_a_misspelt_clause_key_naming_the_nearest():
+    from rewards.geneval.video import validate_video_metadata
+
+    good = {"tag": "motion", "include": [{"class": "circle", "count": 1, "color": "red", "motion": "right"}]}
+    assert validate_video_metadata(good) == good
+    bad = {"tag": "motion", "include": [{"class": "circle", "count": 1, "color": "red", "motoin": "right"}]}
+    with pytest.raises(ValueError, match=r"include\[0\]: unknown key 'motoin' \(did you mean 'motion'\?\)"):
+        validate_video_metadata(bad)

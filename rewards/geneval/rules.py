@@ -31,6 +31,7 @@ above, ``dy > 0.5`` below (image y grows downwards). Several relations can hold 
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -134,13 +135,26 @@ def validate_metadata(
     if not isinstance(exclude, Sequence) or isinstance(exclude, str):
         raise ValueError(f"{where}.exclude: expected a list of clauses, got {exclude!r}")
     for i, clause in enumerate(exclude):
-        _check_clause(clause, f"{where}.exclude[{i}]", classes)
+        _check_clause(clause, f"{where}.exclude[{i}]", classes, EXCLUDE_KEYS)
     return dict(metadata)
 
 
-def _check_clause(clause: object, where: str, classes: Sequence[str] | None) -> None:
+#: the keys a clause may have: an include clause of an image prompt, an exclude clause (of any prompt)
+INCLUDE_KEYS = ("class", "count", "color", "position")
+EXCLUDE_KEYS = ("class", "count")
+
+
+def _check_clause(clause: object, where: str, classes: Sequence[str] | None,
+                  keys: Sequence[str] = INCLUDE_KEYS) -> None:
+    """Check the clause's class and count, and that it has no key outside ``keys``: a misspelt key
+    (``"colour"``) would otherwise be ignored and the clause judged without it."""
     if not isinstance(clause, Mapping):
         raise ValueError(f"{where}: expected a clause dict with 'class' and 'count', got {clause!r}")
+    for key in clause:
+        if key not in keys:
+            near = difflib.get_close_matches(str(key), keys, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(f"{where}: unknown key {key!r}{hint}; a clause here takes {', '.join(keys)}")
     cls = clause.get("class")
     if not isinstance(cls, str) or (classes is not None and cls not in classes):
         known = f"one of the detector's classes ({', '.join(classes)})" if classes is not None else "a class name"

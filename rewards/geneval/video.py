@@ -91,6 +91,7 @@ from ..base import RewardOutput, register
 from ..images import degenerate
 from ..video import to_video
 from .rules import (
+    EXCLUDE_KEYS,
     MAX_OBJECTS,
     THRESHOLD,
     Detection,
@@ -127,6 +128,10 @@ COUNTING_THRESHOLD_VIDEO = 0.6  # per-frame cut for the counting tag (GenEval's 
 # ------------------------------------------------------------------------------------------------- metadata
 
 
+#: the keys an include clause of a video prompt may have ("position" is known so that it is refused by name)
+VIDEO_INCLUDE_KEYS = ("class", "count", "color", "motion", "speed", "position")
+
+
 def validate_video_metadata(metadata: object, classes: Sequence[str] | None = None, colors: Sequence[str] | None = None,
                             where: str = "metadata") -> dict:
     """Check one video metadata dict; raise ``ValueError`` naming the offending field."""
@@ -140,7 +145,7 @@ def validate_video_metadata(metadata: object, classes: Sequence[str] | None = No
         raise ValueError(f"{where}.include: expected a non-empty list of clauses, got {include!r}")
     for i, clause in enumerate(include):
         here = f"{where}.include[{i}]"
-        _check_clause(clause, here, classes)
+        _check_clause(clause, here, classes, VIDEO_INCLUDE_KEYS)
         color = clause.get("color")
         if color is not None and (not isinstance(color, str) or (colors is not None and color not in colors)):
             raise ValueError(f"{here}.color: expected one of {tuple(colors or ())}, got {color!r}")
@@ -159,7 +164,7 @@ def validate_video_metadata(metadata: object, classes: Sequence[str] | None = No
     if not isinstance(exclude, Sequence) or isinstance(exclude, str):
         raise ValueError(f"{where}.exclude: expected a list of clauses, got {exclude!r}")
     for i, clause in enumerate(exclude):
-        _check_clause(clause, f"{where}.exclude[{i}]", classes)
+        _check_clause(clause, f"{where}.exclude[{i}]", classes, EXCLUDE_KEYS)
     return dict(metadata)
 
 
