@@ -277,8 +277,9 @@ class TrainerConfig:
     mixed_precision: str = _knob("no", choices=("no", "fp16", "bf16"))  # accelerate autocast for the trained forward
     allow_tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
     seed: int = 0  # seeds prompts, noise and SDE draws (per process offset by rank)
-    eval_every: int = _knob(25, ge=0)  # iterations between held-out evaluations; 0 = only before/after
+    eval_every: int = _knob(25, ge=0)  # iterations between held-out evaluations; 0 = only eval_before / eval_at_end
     eval_before: bool = True  # evaluate the pretrained model first (the baseline)
+    eval_at_end: bool = True  # evaluate the final weights when the run completes (false: only what eval_every asks)
     eval_num_prompts: Optional[int] = _knob(None, ge=1)  # held-out prompts per evaluation; null = all
     eval_seed: int = 0  # seeds the held-out images: one fixed benchmark whatever trainer.seed (runs stay comparable)
     eval_samples_per_prompt: int = _knob(1, ge=1)  # fixed-seed images per held-out prompt (GenEval: 4)

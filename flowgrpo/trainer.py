@@ -929,7 +929,7 @@ class Trainer:
                                       advantages=b.advantages, group_size=t.group_size, tag="train",  # all its prompts
                                       notes=self.algorithm.gallery_notes(b), marks=self.algorithm.gallery_marks(b))
                 last = self.iteration == t.iterations
-                if t.eval_every and self.iteration % t.eval_every == 0 and not last:
+                if t.eval_every and self.iteration % t.eval_every == 0 and not (last and t.eval_at_end):
                     self._record_eval()
                 if self._stop_requested():
                     stopped = "stop requested; finished the iteration"
@@ -938,7 +938,7 @@ class Trainer:
                     self.save_checkpoint()
         bar.close()
         with self._crash_guard(bar):
-            if stopped is None:
+            if stopped is None and t.eval_at_end:
                 self._record_eval()
             path = self.save_checkpoint(light)
         self._snapshot = None

@@ -332,6 +332,20 @@ def test_per_reward_aggregation_and_its_config_errors(tmp_path):
         validate(make_cfg(tmp_path, "reward.aggregate.name=taros"))
 
 
+@pytest.mark.parametrize("every, at_end, want", [(0, True, [2]), (0, False, []), (2, False, [2]), (1, True, [1, 2])])
+def test_evaluations_run_where_the_config_asks_and_nowhere_else(tmp_path, every, at_end, want):
+    """eval_every, eval_before (false in BASE) and eval_at_end decide every held-out evaluation; with all of them
+    off a run evaluates nothing (the final evaluation is not implied), and eval_every still evaluates the last
+    iteration when eval_at_end is off."""
+    cfg = make_cfg(tmp_path, f"trainer.eval_every={every}", f"trainer.eval_at_end={str(at_end).lower()}")
+    trainer = Trainer(cfg, tmp_path)
+    summary = trainer.fit()
+    assert [e["iteration"] for e in trainer.evals] == want
+    assert (summary["eval_last"] == {}) == (not want)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows if "eval/reward" in r] == want
+
+
 def test_evaluation_scores_several_seeds_per_prompt_and_reports_the_geneval_overall(tmp_path):
     from flowgrpo.build import PromptSet
     from flowgrpo.evaluation import eval_seed_counts, held_out_jobs
