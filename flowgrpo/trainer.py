@@ -546,13 +546,13 @@ class Trainer:
         self.skipped_updates += 1
         self._consecutive_skips += 1
         limit = self.cfg.trainer.max_skipped_updates
-        self._print(f"iteration {iteration}: non-finite loss or gradient norm ({grad_norm}); update skipped "
+        self._print(f"iteration {iteration + 1}: non-finite loss or gradient norm ({grad_norm}); update skipped "
                     f"({self._consecutive_skips} in a row, {self.skipped_updates} in all)")
         if self._consecutive_skips >= limit:
             last = self.ckpt.latest()
             raise NonFiniteError(
                 f"{self._consecutive_skips} optimizer updates in a row had a non-finite loss or gradient norm "
-                f"(iteration {iteration}; trainer.max_skipped_updates={limit}); the weights were not changed by them. "
+                f"(iteration {iteration + 1}; trainer.max_skipped_updates={limit}); the weights were not changed by them. "
                 f"Newest checkpoint on disk before this error: {last if last is not None else 'none'}. Lower "
                 f"trainer.lr, check the reward and the data, or raise trainer.max_skipped_updates.")
 
@@ -790,7 +790,7 @@ class Trainer:
         path, state = self.ckpt.load_intact(candidates)
         self.load_state_dict(state)
         elsewhere = "" if path.parent == self.ckpt.root else f"; this run writes to {self.out}"
-        self._print(f"trainer.resume={resume}: resumed from {path} at iteration {self.iteration}{elsewhere}")
+        self._print(f"trainer.resume={resume}: resumed from {path} after iteration {self.iteration}{elsewhere}")
         return True
 
     def _auto_candidates(self) -> tuple[list[Path], str]:
@@ -912,7 +912,7 @@ class Trainer:
                 try:
                     scalars = self.step()
                 except Trainer._Abandon as phase:
-                    stopped = f"stop requested during {phase}; iteration {self.iteration} abandoned"
+                    stopped = f"stop requested during {phase}; iteration {self.iteration + 1} abandoned"
                     light = self._snapshot  # the weights have not moved; the rest is as the iteration began
                     break
                 self._snapshot = None
@@ -962,7 +962,9 @@ class Trainer:
         with the error, add a note saying how to resume; the caller re-raises. The main process writes, without
         collectives (the other processes may be waiting in one); nothing here hides the original error."""
         in_step = self._snapshot is not None
-        failed = self._snapshot["iteration"] if in_step else self.iteration
+        # iterations are numbered from 1, as in metrics.jsonl and the checkpoints: an error inside a step is in the
+        # iteration after the last completed one; one between iterations is in the bookkeeping of the last completed
+        failed = self._snapshot["iteration"] + 1 if in_step else self.iteration
         phase = self._phase if in_step else "between iterations (logging, gallery, evaluation or checkpoint)"
         if not self.acc.is_main_process:
             return

@@ -105,17 +105,18 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("where,done,phase", [
-    ("reward", 1, "score"),
-    ("update", 1, "update"),
-    ("log", 2, "between iterations (logging, gallery, evaluation or checkpoint)"),
+@pytest.mark.parametrize("where,done,failed,phase", [
+    ("reward", 1, 2, "score"),
+    ("update", 1, 2, "update"),
+    ("log", 2, 2, "between iterations (logging, gallery, evaluation or checkpoint)"),
 ], ids=["reward", "update", "log"])
 def test_an_exception_checkpoints_the_last_iteration_and_resuming_equals_an_uninterrupted_run(tmp_path, capsys, where,
-                                                                                            done, phase, uninterrupted):
-    """The reward server goes down in iteration 1 (before any weight moved), the update fails after the iteration's
+                                                                                            done, failed, phase,
+                                                                                            uninterrupted):
+    """The reward server goes down in iteration 2 (before any weight moved), the update fails after the iteration's
     first optimizer step, or logging fails after iteration 2: the checkpoint is the last completed iteration's,
-    summary.json holds the error, and trainer.resume=auto in the same run dir finishes the run exactly as if nothing
-    had happened."""
+    summary.json holds the error (numbered from 1, as the checkpoints), and trainer.resume=auto in the same run dir
+    finishes the run exactly as if nothing had happened."""
     trainer = make(tmp_path, *CRASH)
     if where == "reward":
         real = trainer.reward
@@ -151,8 +152,9 @@ def test_an_exception_checkpoints_the_last_iteration_and_resuming_equals_an_unin
     assert trainer._weights_touched == (where != "reward")
     assert any("resume with trainer.resume=" in note for note in info.value.__notes__)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["error"] == {"type": "ConnectionError", "message": "reward server down", "iteration": done,
+    assert summary["error"] == {"type": "ConnectionError", "message": "reward server down", "iteration": failed,
                                 "phase": phase}
+    assert summary["stopped"] == f"error in iteration {failed}"
     assert summary["iterations"] == done and summary["checkpoint"].endswith(f"checkpoint-{done:06d}")
     manager = CheckpointManager(tmp_path / "checkpoints")
     assert [s for s, _ in manager.checkpoints()] == [done] and manager.verify(manager.path(done)) is None
@@ -218,7 +220,7 @@ def test_sigterm_still_stops_cleanly_without_an_error_summary(tmp_path):
 
     trainer.reward = reward
     summary = trainer.fit()  # no exception
-    assert "abandoned" in summary["stopped"] and trainer.iteration == 1
+    assert summary["stopped"].endswith("iteration 2 abandoned") and trainer.iteration == 1
     assert not (tmp_path / "summary.json").exists()  # written by the CLI on a clean stop, by the trainer on errors
     assert trainer.ckpt.load(trainer.ckpt.latest())["iteration"] == 1
 
@@ -237,7 +239,7 @@ def test_resume_auto_in_a_fresh_timestamped_run_dir_finds_the_latest_run_of_the_
     capsys.readouterr()
     assert again.maybe_resume() and again.iteration == 1
     out = capsys.readouterr().out
-    assert f"resumed from {first / 'checkpoints' / 'checkpoint-000001'} at iteration 1" in out
+    assert f"resumed from {first / 'checkpoints' / 'checkpoint-000001'} after iteration 1" in out
     assert f"this run writes to {outputs / '2026-01-02' / '09-00-00'}" in out
 
     fresh = make(outputs / "2026-01-02" / "10-00-00", "trainer.resume=auto", "trainer.seed=3")
@@ -556,7 +558,7 @@ def test_a_reward_server_killed_mid_run_checkpoints_and_the_resumed_run_equals_a
         with pytest.raises(RemoteRewardError, match=rf"127\.0\.0\.1:{server.port}/score: no answer.*gave up after"):
             trainer.fit()
         summary = json.loads((out / "summary.json").read_text())
-        assert summary["error"]["type"] == "RemoteRewardError" and summary["error"]["iteration"] == 1
+        assert summary["error"]["type"] == "RemoteRewardError" and summary["error"]["iteration"] == 2
         assert summary["checkpoint"].endswith("checkpoint-000001")
         assert [s for s, _ in CheckpointManager(out / "checkpoints").checkpoints()] == [1]
 

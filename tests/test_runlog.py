@@ -55,7 +55,7 @@ def test_a_crash_writes_its_traceback_to_train_log_and_raises(tmp_path):
     log = (tmp_path / "train.log").read_text()
     assert "Traceback (most recent call last)" in log
     assert "ConnectionError: reward server down" in log
-    assert "error in iteration 1 (score)" in log  # the crash report that names the checkpoint and how to resume
+    assert "error in iteration 2 (score)" in log  # iteration 1 completed, 2 failed  # the crash report that names the checkpoint and how to resume
     assert log.count("Traceback (most recent call last)") == 1
 
 
