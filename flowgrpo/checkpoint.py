@@ -745,3 +745,42 @@ class GracefulStop:
         self._previous.clear()
         self.active = False
         return False
+
+
+#: config keys a resume may change without changing what the run computes: its length, what is logged, evaluated
+#: and kept, where it writes, and how rollouts are chunked (speed only). A key is matched exactly or, ending in a dot
+#: or an underscore, as a prefix.
+RESUME_HARMLESS = ("trainer.iterations", "trainer.eval_", "trainer.gallery_", "trainer.log_every",
+                   "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.resume", "trainer.resume_",
+                   "trainer.output_dir", "trainer.rollout_batch_size", "trainer.max_skipped_updates", "logger.",
+                   "sampler.eval_num_steps", "data.test_file")
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        out = {}
+        for key, value in tree.items():
+            out.update(_flat(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def resume_config_changes(saved: dict | None, now: dict) -> tuple[list[str], list[str]]:
+    """``(meaningful, harmless)``: the config keys whose values differ between a checkpoint's run (``saved``, its
+    recorded config) and the resuming one, as ``key: old -> new`` lines. Harmless keys are :data:`RESUME_HARMLESS`;
+    every other difference (the algorithm, model, sampler, reward, data, batch plan, optimizer, schedule, seed)
+    changes what the resumed run means. A checkpoint without a recorded config gives no differences."""
+    if not saved:
+        return [], []
+    old, new = _flat(saved), _flat(now)
+    meaningful, harmless = [], []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if a == b:
+            continue
+        line = f"{key}: {a!r} -> {b!r}"
+        if any(key == h or (h.endswith((".", "_")) and key.startswith(h)) for h in RESUME_HARMLESS):
+            harmless.append(line)
+        else:
+            meaningful.append(line)
+    return meaningful, harmless

@@ -291,6 +291,7 @@ class TrainerConfig:
     keep_checkpoints: Optional[int] = _knob(2, ge=1)  # newest checkpoints kept; null = all
     resume: Optional[str] = None  # null = fresh; "auto" = newest intact checkpoint of this or an earlier same-experiment run; or a path
     resume_search_dir: Optional[str] = None  # where resume=auto finds earlier runs; null = <root> of a timestamped <root>/DATE/TIME run dir
+    resume_force: bool = False  # resume although the config changes what the checkpoint's run meant (algorithm, batch plan, ...)
     output_dir: Optional[str] = None  # null = Hydra's run dir (chosen on rank 0)
 
 

@@ -39,7 +39,7 @@ from .algorithms import Batch, UpdateContext, build_algorithm
 from .build import (batch_plan, build_adapter, build_sampler, check_output_dir, checkpoint_bytes, model_kwargs, preflight,
                     prompt_pools)
 from .checkpoint import (CheckpointManager, GracefulStop, atomic_write_text, capture_rng_state, find_runs,
-                         restore_rng_state, save_lora_weights)
+                         restore_rng_state, resume_config_changes, save_lora_weights)
 from .curriculum import CGPOCurriculum
 from .evaluation import EvalSamples, held_out_jobs, score_jobs
 from .evaluation import seeded_generator as _gen
@@ -552,8 +552,8 @@ class Trainer:
             last = self.ckpt.latest()
             raise NonFiniteError(
                 f"{self._consecutive_skips} optimizer updates in a row had a non-finite loss or gradient norm "
-                f"(iteration {iteration + 1}; trainer.max_skipped_updates={limit}); the weights were not changed by them. "
-                f"Newest checkpoint on disk before this error: {last if last is not None else 'none'}. Lower "
+                f"(iteration {iteration + 1}; trainer.max_skipped_updates={limit}); the weights were not changed by "
+                f"them. Newest checkpoint on disk before this error: {last if last is not None else 'none'}. Lower "
                 f"trainer.lr, check the reward and the data, or raise trainer.max_skipped_updates.")
 
     def _clip(self) -> float:
@@ -788,10 +788,29 @@ class Trainer:
         else:
             candidates = self.ckpt.resume_candidates(resume)
         path, state = self.ckpt.load_intact(candidates)
+        self._check_resume_config(path, state.get("config"))
         self.load_state_dict(state)
         elsewhere = "" if path.parent == self.ckpt.root else f"; this run writes to {self.out}"
         self._print(f"trainer.resume={resume}: resumed from {path} after iteration {self.iteration}{elsewhere}")
         return True
+
+    def _check_resume_config(self, path: Path, saved: dict | None) -> None:
+        """Refuse a resume whose config changes what the checkpoint's run meant, listing the differences and the
+        key that forces it; harmless differences (length, logging, evaluation cadence, ...) are said and pass."""
+        meaningful, harmless = resume_config_changes(saved, OmegaConf.to_container(self.cfg, resolve=True))
+        if harmless:
+            self._print(f"trainer.resume: {path} ran with other settings that do not change the run: "
+                        + "; ".join(harmless))
+        if not meaningful:
+            return
+        listing = "\n  ".join(meaningful)
+        if self.cfg.trainer.resume_force:
+            self._print(f"trainer.resume_force=true: resuming {path} with a config that changes the run:\n  {listing}")
+            return
+        raise ValueError(f"trainer.resume: {path} was written by a run with another config, and resuming it with "
+                         f"this one would change what that run computes:\n  {listing}\nResume with the checkpoint's "
+                         "settings, start a fresh run (another output dir, trainer.resume=null), or set "
+                         "trainer.resume_force=true to resume anyway.")
 
     def _auto_candidates(self) -> tuple[list[Path], str]:
         """``trainer.resume=auto``'s checkpoints, newest first, and where it looked (for the nothing-found line)."""

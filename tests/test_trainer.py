@@ -291,6 +291,28 @@ def test_full_finetuning_with_kl_trains_every_weight_and_saves_the_transformer(t
     assert all(torch.equal(p, after[n]) for n, p in saved.named_parameters())
 
 
+def test_a_resume_refuses_a_config_that_changes_the_run_and_passes_harmless_changes(tmp_path, capsys):
+    """The checkpoint records its run's config: resuming with another algorithm or batch plan is refused before any
+    state loads, naming each difference and trainer.resume_force; a longer run, another evaluation cadence or logging
+    pass with a word; resume_force resumes anyway and says what changed."""
+    first = Trainer(make_cfg(tmp_path / "a", "trainer.iterations=1"), tmp_path / "a")
+    first.fit()
+    resume = f"trainer.resume={tmp_path / 'a'}"
+    for changed, key in ((["algo=grpo", "sampler=sde"], "algo.name: 'mix_grpo' -> 'grpo'"),
+                         (["trainer.group_size=4", "trainer.train_batch_size=8"], "trainer.group_size: 2 -> 4"),
+                         (["trainer.lr=1e-2"], "trainer.lr: 0.03 -> 0.01")):
+        with pytest.raises(ValueError, match="trainer.resume_force=true") as info:
+            Trainer(make_cfg(tmp_path / "b", resume, *changed), tmp_path / "b").maybe_resume()
+        assert key in str(info.value)
+    fine = Trainer(make_cfg(tmp_path / "c", resume, "trainer.iterations=3", "trainer.eval_every=1"), tmp_path / "c")
+    assert fine.maybe_resume() and fine.iteration == 1
+    out = capsys.readouterr().out
+    assert "trainer.iterations: 1 -> 3" in out and "trainer.eval_every: 0 -> 1" in out
+    forced = Trainer(make_cfg(tmp_path / "d", resume, "trainer.lr=1e-2", "trainer.resume_force=true"), tmp_path / "d")
+    assert forced.maybe_resume() and forced.iteration == 1
+    assert "trainer.lr: 0.03 -> 0.01" in capsys.readouterr().out
+
+
 def test_taros_advantages_come_from_the_gathered_components_and_resume_exactly(tmp_path):
     """reward=multi with reward.aggregate.name=taros: phase 4 is TaRoS on the components, its running spread is
     checkpointed, its diagnostics are logged, and a resumed run continues exactly."""
