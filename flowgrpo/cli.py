@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import atomic_write_text
 from .config import validate
-from .runlog import LOG_NAME, code_version, log, run_log
+from .runlog import LOG_NAME, code_version, discard_hydra_dir, log, remove_empty_dirs, run_log
 
 __all__ = ["main", "resolve_output_dir"]
 
@@ -71,11 +71,7 @@ def _adopt_hydra_dir(out: Path, main: bool) -> None:
                 shutil.move(str(configs), str(out / ".hydra"))
             elif not any(p.is_dir() for p in configs.iterdir()):
                 shutil.rmtree(configs)
-        stop = Path.cwd().resolve()
-        for d in [hydra_dir, *hydra_dir.parents]:
-            if d == stop or stop not in d.parents or any(d.iterdir()):
-                break
-            d.rmdir()
+        remove_empty_dirs(hydra_dir)
     except OSError as err:  # tidying up: never worth the run
         warnings.warn(f"could not remove Hydra's run dir {hydra_dir}: {err.strerror or err}", RuntimeWarning,
                       stacklevel=2)
@@ -118,13 +114,17 @@ def plot_curves(history: list[dict], evals: list[dict], path: Path) -> Path | No
 
 def main(cfg: DictConfig) -> dict[str, Any]:
     """Train with ``cfg``; returns the summary (also written to ``summary.json`` in the run dir)."""
-    validate(cfg)
-    from accelerate import Accelerator
+    try:
+        validate(cfg)
+        from accelerate import Accelerator
 
+        accelerator = Accelerator(mixed_precision=cfg.trainer.mixed_precision, cpu=not torch.cuda.is_available())
+        out = _shared_output_dir(cfg, accelerator)
+    except BaseException:
+        discard_hydra_dir()
+        raise
     from .trainer import Trainer
 
-    accelerator = Accelerator(mixed_precision=cfg.trainer.mixed_precision, cpu=not torch.cuda.is_available())
-    out = _shared_output_dir(cfg, accelerator)
     main_process = accelerator.is_main_process
     _adopt_hydra_dir(out, main_process)
     code = code_version() if main_process else None  # the code as it is when the run starts

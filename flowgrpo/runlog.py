@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import subprocess
 import sys
 import traceback
@@ -159,3 +160,38 @@ def code_version(where: str | Path | None = None) -> dict | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return {"commit": head.stdout.strip(), "changes": bool(status.stdout.strip())}
+
+
+def remove_empty_dirs(start: Path) -> None:
+    """Remove ``start`` and its parents while they are empty, up to (not including) the working directory."""
+    stop = Path.cwd().resolve()
+    for d in [start, *start.parents]:
+        if d == stop or stop not in d.parents or any(d.iterdir()):
+            break
+        d.rmdir()
+
+
+def discard_hydra_dir() -> None:
+    """A run that fails before it has a run dir of its own (a bad config, an output dir that cannot be made) leaves
+    no trace of Hydra's: its timestamped dir goes when it holds nothing but ``.hydra/`` and an empty log."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    hydra_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).resolve().parent == hydra_dir:
+            root.removeHandler(handler)
+            handler.close()
+    if not hydra_dir.is_dir():
+        return
+    log_file = hydra_dir / LOG_NAME
+    if any(p.name != ".hydra" and not (p == log_file and p.stat().st_size == 0) for p in hydra_dir.iterdir()):
+        return  # something of the user's is there
+    try:
+        shutil.rmtree(hydra_dir)
+        remove_empty_dirs(hydra_dir.parent)
+    except OSError as err:
+        warnings.warn(f"could not remove Hydra's run dir {hydra_dir}: {err.strerror or err}", RuntimeWarning,
+                      stacklevel=2)

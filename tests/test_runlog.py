@@ -40,6 +40,21 @@ def test_train_log_holds_the_banner_evaluations_and_summary_and_no_stray_outputs
     assert list(work.iterdir()) == []  # no outputs/<date>/<time> beside it
 
 
+@pytest.mark.parametrize("override, message", [
+    ("trainer.output_dir={tmp}/file/run", "trainer.output_dir"),  # under a file: cannot be created
+    ("trainer.iterations=0", "trainer.iterations=0 must be >= 1"),  # a config error, in Hydra's own run dir
+], ids=["output_dir_under_a_file", "config_error"])
+def test_a_run_that_fails_before_it_has_a_run_dir_leaves_no_stray_outputs_dir(tmp_path, override, message):
+    work = tmp_path / "cwd"
+    work.mkdir()
+    (tmp_path / "file").write_text("not a dir")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "debug=default", override.format(tmp=tmp_path)],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and message in proc.stdout + proc.stderr
+    assert list(work.iterdir()) == []  # no outputs/<date>/<time>/.hydra left behind
+
+
 def test_a_crash_writes_its_traceback_to_train_log_and_raises(tmp_path):
     trainer = make(tmp_path, "trainer.iterations=2", "trainer.checkpoint_every=0")
     real = trainer.reward
