@@ -52,7 +52,8 @@ __all__ = ["Trainer", "Batch", "TrainerContext", "NonFiniteError"]
 
 
 class NonFiniteError(RuntimeError):
-    """Too many consecutive optimizer updates had a non-finite loss or gradient norm; the run stops."""
+    """Too many consecutive optimizer updates were skipped (a non-finite loss or gradient norm, or an update beyond
+    ``trainer.max_update_ratio``); the run stops, its weights as they were before those updates."""
 
 
 # Stream ids: which kind of draw a generator serves (held-out noise: flowgrpo.evaluation.EVAL_STREAM = 5).
@@ -236,6 +237,7 @@ class Trainer:
         self.updates = 0
         self.skipped_updates = 0  # optimizer updates skipped for a non-finite loss or gradient
         self._consecutive_skips = 0
+        self._update_guard: bool | None = None  # the divergence check applies (decided at the first update)
         self.history: list[dict[str, float]] = []
         self.evals: list[dict[str, float]] = []
         self.ckpt = CheckpointManager(self.out / "checkpoints", keep=t.keep_checkpoints or 10**9)
@@ -512,13 +514,19 @@ class Trainer:
                             # non-finite loss counts here
                             finite_grad = math.isfinite(info["grad_norm"]) or self.acc.scaler is not None
                             if self._agree_finite(window_finite and finite_grad):
-                                self._consecutive_skips = 0
                                 self._before_weights_change()
+                                before = self._pre_step_copy()
                                 self.optimizer.step()
-                                self.lr_scheduler.step()
-                                self.updates += 1
-                                if self.ema is not None and self.updates % t.ema.update_every == 0:
-                                    self.ema.update()
+                                ratio = self._undo_if_diverged(before)
+                                if ratio is None:
+                                    self._consecutive_skips = 0
+                                    self.lr_scheduler.step()
+                                    self.updates += 1
+                                    if self.ema is not None and self.updates % t.ema.update_every == 0:
+                                        self.ema.update()
+                                else:  # rolled back: the weights are as they were before the step
+                                    info["update_ratio"] = ratio
+                                    self._skip_update(iteration, info["grad_norm"], ratio)
                             else:  # a non-finite loss or gradient: the weights stay as they were
                                 self._skip_update(iteration, info["grad_norm"])
                             window_finite = True
@@ -540,21 +548,56 @@ class Trainer:
         flag = torch.tensor([0.0 if finite else 1.0], device=self.device)
         return bool(self.acc.reduce(flag, reduction="sum").item() == 0)
 
-    def _skip_update(self, iteration: int, grad_norm: float) -> None:
-        """Skip an optimizer update whose loss or gradient is not finite; stop the run after
-        ``trainer.max_skipped_updates`` in a row (the weights, and so every checkpoint, stay finite)."""
+    def _skip_update(self, iteration: int, grad_norm: float, ratio: float | None = None) -> None:
+        """Count a skipped optimizer update — its loss or gradient was not finite, or (``ratio``) it moved the trained
+        weights by ``ratio`` times their norm, beyond ``trainer.max_update_ratio``, and was rolled back; stop the run
+        after ``trainer.max_skipped_updates`` in a row (the weights, and so every checkpoint, stay as before)."""
         self.skipped_updates += 1
         self._consecutive_skips += 1
         limit = self.cfg.trainer.max_skipped_updates
-        self._print(f"iteration {iteration + 1}: non-finite loss or gradient norm ({grad_norm}); update skipped "
+        why = (f"non-finite loss or gradient norm ({grad_norm})" if ratio is None else
+               f"the update moved the trained weights by {ratio:.3g} times their norm (trainer.max_update_ratio="
+               f"{self.cfg.trainer.max_update_ratio}; gradient norm {grad_norm:.3g}), a divergence: rolled back")
+        self._print(f"iteration {iteration + 1}: {why}; update skipped "
                     f"({self._consecutive_skips} in a row, {self.skipped_updates} in all)")
         if self._consecutive_skips >= limit:
             last = self.ckpt.latest()
             raise NonFiniteError(
-                f"{self._consecutive_skips} optimizer updates in a row had a non-finite loss or gradient norm "
+                f"{self._consecutive_skips} optimizer updates in a row were skipped, the last for {why} "
                 f"(iteration {iteration + 1}; trainer.max_skipped_updates={limit}); the weights were not changed by "
                 f"them. Newest checkpoint on disk before this error: {last if last is not None else 'none'}. Lower "
                 f"trainer.lr, check the reward and the data, or raise trainer.max_skipped_updates.")
+
+    def _pre_step_copy(self) -> dict | None:
+        """What an optimizer step may have to be undone to: copies of the trained LoRA weights and the optimizer
+        state (small), when ``trainer.max_update_ratio`` is set. Full fine-tuning (a copy would cost the model's size
+        again) and FSDP (sharded weights) run without the check."""
+        if self._update_guard is None:  # LoRA on one process or under DDP (replicated weights)
+            t = self.cfg.trainer
+            self._update_guard = (t.max_update_ratio is not None and self.cfg.model.finetune == "lora"
+                                  and not gathers_state(self.acc))
+        if not self._update_guard:
+            return None
+        return {"params": [p.detach().clone() for p in self.params],
+                "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+
+    def _undo_if_diverged(self, before: dict | None) -> float | None:
+        """None when the step stays; else the ratio ``||Δθ|| / ||θ||`` of the step just taken, which exceeded
+        ``trainer.max_update_ratio`` or is not finite, after putting the weights and the optimizer back."""
+        if before is None:
+            return None
+        with torch.no_grad():
+            old = torch.sqrt(sum(c.double().pow(2).sum() for c in before["params"]))
+            moved = torch.sqrt(sum((p.detach().double() - c.double()).pow(2).sum()
+                                   for p, c in zip(self.params, before["params"])))
+            ratio = float(moved / old.clamp_min(1e-12))
+        if math.isfinite(ratio) and ratio <= self.cfg.trainer.max_update_ratio:
+            return None
+        with torch.no_grad():
+            for p, c in zip(self.params, before["params"]):
+                p.copy_(c)
+        self.optimizer.load_state_dict(before["optimizer"])
+        return ratio if math.isfinite(ratio) else float("inf")
 
     def _clip(self) -> float:
         max_norm = self.cfg.trainer.max_grad_norm

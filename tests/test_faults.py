@@ -48,6 +48,30 @@ def weights(trainer: Trainer) -> list[torch.Tensor]:
     return [p.detach().clone() for p in trainer.params]
 
 
+def test_an_update_that_blows_the_weights_up_is_rolled_back_and_the_run_stops_with_the_weights_before_it(tmp_path):
+    """lr 1e6 keeps the loss and gradient finite but makes the LoRA weights huge: each such step moves the weights
+    by far more than trainer.max_update_ratio times their norm, is undone (weights and optimizer state), counted as
+    skipped, and after trainer.max_skipped_updates in a row the run stops with the weights it started with; no
+    checkpoint holds diverged weights."""
+    trainer = make(tmp_path, "trainer.iterations=4", "trainer.lr=1e6", "trainer.max_skipped_updates=2")
+    start = weights(trainer)
+    with pytest.raises(NonFiniteError, match=r"2 optimizer updates in a row.*times their norm.*rolled back"):
+        trainer.fit()
+    assert trainer.skipped_updates == 2 and trainer.updates == 0
+    for before, live in zip(start, trainer.params):
+        assert torch.equal(before, live.detach())
+    assert all(not s for s in trainer.optimizer.state.values())  # the undone steps left no Adam moments
+    for path in CheckpointManager(tmp_path / "checkpoints").checkpoints():
+        saved = torch.load(path[1] / "state.pt", weights_only=False)["trainable"]
+        assert all(torch.equal(a, b) for a, b in zip(saved.values(), start))
+
+
+def test_an_ordinary_update_is_not_taken_for_a_divergence(tmp_path):
+    trainer = make(tmp_path, "trainer.iterations=2")
+    trainer.fit()
+    assert trainer.skipped_updates == 0 and trainer.updates > 0 and trainer._update_guard is True
+
+
 def test_repeated_non_finite_updates_stop_the_run_with_finite_weights_and_checkpoints(tmp_path):
     trainer = make(tmp_path, "trainer.iterations=6", "trainer.max_skipped_updates=2")
     poison(trainer, {1, 2, 3, 4, 5})
