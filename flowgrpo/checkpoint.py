@@ -769,7 +769,8 @@ def resume_config_changes(saved: dict | None, now: dict) -> tuple[list[str], lis
     """``(meaningful, harmless)``: the config keys whose values differ between a checkpoint's run (``saved``, its
     recorded config) and the resuming one, as ``key: old -> new`` lines. Harmless keys are :data:`RESUME_HARMLESS`;
     every other difference (the algorithm, model, sampler, reward, data, batch plan, optimizer, schedule, seed)
-    changes what the resumed run means. A checkpoint without a recorded config gives no differences."""
+    changes what the resumed run means. A key that only one side has (a checkpoint from before a knob was added) is
+    reported as harmless. A checkpoint without a recorded config gives no differences."""
     if not saved:
         return [], []
     old, new = _flat(saved), _flat(now)
@@ -779,7 +780,9 @@ def resume_config_changes(saved: dict | None, now: dict) -> tuple[list[str], lis
         if a == b:
             continue
         line = f"{key}: {a!r} -> {b!r}"
-        if any(key == h or (h.endswith((".", "_")) and key.startswith(h)) for h in RESUME_HARMLESS):
+        # a key only one side has comes from another version of the schema (a knob added since, at its default)
+        absent = key not in old or key not in new
+        if absent or any(key == h or (h.endswith((".", "_")) and key.startswith(h)) for h in RESUME_HARMLESS):
             harmless.append(line)
         else:
             meaningful.append(line)

@@ -308,6 +308,10 @@ def test_a_resume_refuses_a_config_that_changes_the_run_and_passes_harmless_chan
     assert fine.maybe_resume() and fine.iteration == 1
     out = capsys.readouterr().out
     assert "trainer.iterations: 1 -> 3" in out and "trainer.eval_every: 0 -> 1" in out
+    from flowgrpo.checkpoint import resume_config_changes
+
+    assert resume_config_changes({"trainer": {"lr": 1.0}}, {"trainer": {"lr": 1.0, "new_knob": 2}}) == (
+        [], ["trainer.new_knob: '<absent>' -> 2"])  # a checkpoint from before a knob existed still resumes
     forced = Trainer(make_cfg(tmp_path / "d", resume, "trainer.lr=1e-2", "trainer.resume_force=true"), tmp_path / "d")
     assert forced.maybe_resume() and forced.iteration == 1
     assert "trainer.lr: 0.03 -> 0.01" in capsys.readouterr().out
