@@ -471,6 +471,7 @@ def preflight(cfg: DictConfig, output_dir: str | os.PathLike) -> Preflight:
     prompt files (present, non-empty, parseable) and their metadata against the reward's schema (file:line).
     Builds the reward and the prompt sets, which the caller keeps."""
     check_reward_model(cfg.reward, cfg.model)
+    check_sizes(cfg.model)
     check_output_dir(output_dir)
     reward = build_reward(cfg.reward)
     train_set = build_prompts(cfg.data, "train")
@@ -481,6 +482,50 @@ def preflight(cfg: DictConfig, output_dir: str | os.PathLike) -> Preflight:
             if cfg.model.family == STREAM_FAMILY:
                 check_stream_prompts(prompts, cfg.model, key)
     return Preflight(reward, train_set, test_set)
+
+
+def size_multiples(model: DictConfig) -> dict | None:
+    """What ``model.height`` / ``width`` (and ``num_frames``) must be multiples of, read from the pipeline's
+    ``vae/config.json`` and ``transformer/config.json`` without loading it: ``{"spatial": n}`` and, for Wan,
+    ``{"temporal": n}`` (frames = n·k + 1). None when the checkpoint is not a local diffusers folder (a hub id, the
+    in-memory twins): the adapter checks the sizes when it first needs a latent."""
+    root = resolve_path(str(model.pretrained)) if not str(model.pretrained).startswith("tiny-random:") else None
+    family = str(model.family)
+    if root is None or family not in ("sd3", "flux", "wan", STREAM_FAMILY):
+        return None
+    try:
+        vae = json.loads((root / "vae" / "config.json").read_text())
+        transformer = json.loads((root / "transformer" / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if family in ("wan", STREAM_FAMILY):  # AutoencoderKLWan: 2x per downsampling stage in space, listed ones in time
+        stages = vae.get("temperal_downsample") or []
+        patch = transformer.get("patch_size") or [1, 1, 1]
+        return {"spatial": 2 ** len(stages) * int(patch[1]), "temporal": 2 ** sum(bool(x) for x in stages)}
+    scale = 2 ** (len(vae.get("block_out_channels") or [0]) - 1)
+    return {"spatial": scale * (2 if family == "flux" else int(transformer.get("patch_size", 1)))}
+
+
+def check_sizes(model: DictConfig) -> None:
+    """``model.height`` / ``width`` / ``num_frames`` against what the pipeline can generate, before it loads:
+    ``ValueError`` naming the keys, the multiple and the nearest sizes that work."""
+    multiples = size_multiples(model)
+    if multiples is None:
+        return
+    m = multiples["spatial"]
+    for key in ("height", "width"):
+        value = int(model[key])
+        if value % m or value <= 0:
+            near = sorted({max(m, value // m * m), value // m * m + m})
+            raise ValueError(f"model.{key}={value}: {model.family} at {model.pretrained} generates sizes divisible by "
+                             f"{m} (VAE downsampling x patch size); try model.{key}=" + " or ".join(map(str, near)))
+    temporal = multiples.get("temporal")
+    frames = model.get("num_frames")
+    if temporal and frames is not None and (int(frames) - 1) % temporal:
+        k = (int(frames) - 1) // temporal
+        near = sorted({temporal * max(k, 0) + 1, temporal * (k + 1) + 1})
+        raise ValueError(f"model.num_frames={frames}: {model.family} at {model.pretrained} generates {temporal}·k + 1 "
+                         "frames; try model.num_frames=" + " or ".join(map(str, near)))
 
 
 def check_stream_prompts(prompts: PromptSet, model: DictConfig, key: str) -> None:

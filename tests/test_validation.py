@@ -108,3 +108,26 @@ def test_too_little_free_space_for_a_checkpoint_fails_naming_the_dir(tmp_path, m
     monkeypatch.setattr(build.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 2**20, 2**20))
     with pytest.raises(OSError, match=rf"output directory '{tmp_path}' has 1 MiB free"):
         check_output_dir(tmp_path)
+
+
+@pytest.mark.parametrize("model, override, message", [
+    ("sd3_shapes", "model.height=63", r"model\.height=63: sd3 .* divisible by 8 .*; try model\.height=56 or 64"),
+    ("wan_shapes", "model.width=60", r"model\.width=60: wan .* divisible by 8 .*; try model\.width=56 or 64"),
+    ("wan_shapes", "model.num_frames=12", r"model\.num_frames=12: wan .* 4·k \+ 1 frames; try model\.num_frames=9 or 13"),
+])
+def test_a_size_the_pipeline_cannot_generate_fails_before_the_model_loads(tmp_path, no_model, model, override, message):
+    cfg = compose_cfg(f"model={model}", *(["reward=video_geneval", "data=motion_shapes"] if "wan" in model else []),
+                      override)
+    with pytest.raises(ValueError, match=message):
+        Trainer(cfg, tmp_path / "run")
+    assert no_model == []
+    assert not (tmp_path / "run" / "checkpoints").exists()  # no checkpoint, no resume advice: nothing ran
+
+
+def test_every_shipped_pipeline_accepts_its_own_sizes():
+    from flowgrpo.build import check_sizes, size_multiples
+
+    for model in ("sd3_shapes", "wan_shapes", "causal_wan_shapes"):
+        cfg = compose_cfg(f"model={model}")
+        assert size_multiples(cfg.model) is not None, model  # read from the local pipeline's configs
+        check_sizes(cfg.model)
