@@ -73,6 +73,8 @@ STATE_FILE = "state.pt"
 LATEST_FILE = "latest"
 #: JSON file in a checkpoint directory: every other file's size and sha256 (and the saver's ``meta``), written last.
 MANIFEST_FILE = "manifest.json"
+#: a checkpoint whose weights were found to produce non-finite samples: kept, never resumed from
+DIVERGED_FILE = "DIVERGED"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _TMP_PREFIX = ".tmp-checkpoint-"
 _TRASH_PREFIX = ".trash-checkpoint-"
@@ -306,7 +308,13 @@ class CheckpointManager:
 
     @staticmethod
     def _looks_complete(path: Path) -> bool:
-        return (path / MANIFEST_FILE).is_file() or (path / STATE_FILE).is_file()
+        return ((path / MANIFEST_FILE).is_file() or (path / STATE_FILE).is_file()) and not (path / DIVERGED_FILE).exists()
+
+    @staticmethod
+    def mark_diverged(path: str | os.PathLike, why: str) -> None:
+        """Keep checkpoint ``path`` but never resume from it (:meth:`verify` names it, :meth:`latest` passes it
+        over): its weights were found to produce non-finite samples."""
+        atomic_write_text(Path(path) / DIVERGED_FILE, why.rstrip("\n") + "\n")
 
     # -- save
 
@@ -464,6 +472,8 @@ class CheckpointManager:
         path = Path(path)
         if not path.is_dir():
             return f"{path} is not a directory"
+        if (path / DIVERGED_FILE).exists():
+            return f"marked diverged ({path / DIVERGED_FILE}): its weights produced non-finite samples"
         if not (path / MANIFEST_FILE).is_file():
             if (path / STATE_FILE).is_file():
                 return None

@@ -238,6 +238,7 @@ class Trainer:
         self.skipped_updates = 0  # optimizer updates skipped for a non-finite loss or gradient
         self._consecutive_skips = 0
         self._update_guard: bool | None = None  # the divergence check applies (decided at the first update)
+        self._diverged = False  # the current weights produced non-finite samples: never checkpointed
         self.history: list[dict[str, float]] = []
         self.evals: list[dict[str, float]] = []
         self.ckpt = CheckpointManager(self.out / "checkpoints", keep=t.keep_checkpoints or 10**9)
@@ -887,6 +888,7 @@ class Trainer:
         batch = timed("plan", self.plan, it)
         self._check_stop("plan")
         batch = timed("rollout", self.rollout, batch, it)
+        self._check_finite_rollout(batch, it)
         self._check_stop("rollout")
         batch = timed("score", self.score, batch)
         batch = timed("advantage", self.advantage, batch)
@@ -900,6 +902,23 @@ class Trainer:
 
     class _Abandon(Exception):
         pass
+
+    def _check_finite_rollout(self, batch: Batch, iteration: int) -> None:
+        """Samples that are not finite mean the weights that drew them have diverged: stop here, before a reward
+        reads NaN pixels, and keep no checkpoint of those weights (``_crash_checkpoint``; one already on disk is
+        marked and never resumed from)."""
+        final = batch.latents[:, :, -1] if batch.plan.chunked else batch.latents[:, -1]
+        bad = int((~torch.isfinite(final.reshape(final.shape[0], -1)).all(dim=1)).sum())
+        if self.world > 1:  # every process stops together
+            bad = int(self.acc.reduce(torch.tensor([float(bad)], device=self.device), reduction="sum").item())
+        if bad:
+            self._diverged = True
+            older = [path for step, path in self.ckpt.checkpoints() if step < iteration]
+            raise NonFiniteError(
+                f"iteration {iteration + 1}: {bad} of the rollout's samples are not finite: the weights after "
+                f"iteration {iteration} have diverged. No checkpoint of them is kept for resuming; the newest "
+                f"checkpoint from before them: {older[-1] if older else 'none'}. Lower trainer.lr or "
+                "trainer.max_update_ratio, or check the data.")
 
     def _stop_requested(self) -> bool:
         """Whether any process got SIGTERM/SIGINT (signals reach ranks at different moments: they agree first)."""
@@ -1063,7 +1082,13 @@ class Trainer:
 
     def _crash_checkpoint(self) -> tuple[Path | None, str | None]:
         """Write (or find) the checkpoint of the last completed iteration; ``(None, why)`` when that state is not at
-        hand."""
+        hand, or when its weights diverged (then a checkpoint of them already on disk is marked so)."""
+        if self._diverged:
+            done = self.iteration if self._snapshot is None else self._snapshot["iteration"]
+            for step, path in self.ckpt.checkpoints():
+                if step == done:  # written at the end of the iteration whose weights now give non-finite samples
+                    self.ckpt.mark_diverged(path, f"iteration {done + 1}'s rollout from these weights was not finite")
+            return None, "the weights of the last completed iteration produce non-finite samples: no checkpoint of them"
         if gathers_state(self.acc):
             return None, "under FSDP the full state is gathered by every process together, which an error prevents"
         light = self._snapshot

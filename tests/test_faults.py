@@ -66,6 +66,33 @@ def test_an_update_that_blows_the_weights_up_is_rolled_back_and_the_run_stops_wi
         assert all(torch.equal(a, b) for a, b in zip(saved.values(), start))
 
 
+def test_a_rollout_that_is_not_finite_stops_the_run_and_no_checkpoint_of_those_weights_is_resumed(tmp_path):
+    """The weights after iteration 2 draw NaN samples in iteration 3 (as a diverged model does): the run stops there
+    with NonFiniteError before any reward reads them, writes no crash checkpoint, marks iteration 2's checkpoint
+    (those weights) as diverged, and what it recommends — and what resume=auto takes — is iteration 1's."""
+    trainer = make(tmp_path, "trainer.iterations=4", "trainer.checkpoint_every=1")
+    real = trainer.rollout
+
+    def rollout(batch, iteration):
+        batch = real(batch, iteration)
+        if iteration == 2:
+            batch.latents[1, -1] = float("nan")
+        return batch
+
+    trainer.rollout = rollout
+    with pytest.raises(NonFiniteError, match=r"iteration 3: 1 of the rollout's samples are not finite.*checkpoint-000001"):
+        trainer.fit()
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    assert [s for s, _ in manager.checkpoints()] == [1, 2]  # no crash checkpoint written
+    assert "marked diverged" in manager.verify(manager.path(2)) and manager.latest() == manager.path(1)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["checkpoint"] is None and summary["resume_from"].endswith("checkpoint-000001")
+    again = make(tmp_path, "trainer.iterations=4", "trainer.checkpoint_every=1", f"trainer.resume={tmp_path}")
+    with pytest.warns(RuntimeWarning, match="marked diverged"):
+        assert again.maybe_resume()
+    assert again.iteration == 1
+
+
 def test_an_ordinary_update_is_not_taken_for_a_divergence(tmp_path):
     trainer = make(tmp_path, "trainer.iterations=2")
     trainer.fit()
