@@ -388,6 +388,8 @@ class Trainer:
         last = plan.last_sde_step() if plan.tail_ratio < 1 else None
         velocity = self._velocity_fn(None)
         for start in range(0, n, chunk):
+            if start:
+                self._check_stop("rollout")  # a stop request is honoured between chunks, not after the whole batch
             rows = torch.arange(start, min(start + chunk, n))
             # each row on its grid: the plan's, or with a compressed tail (Flash-GRPO) the plan's up to one after
             # its last SDE step, then its own tail; every step is one batched call over the rows still running
@@ -426,6 +428,8 @@ class Trainer:
         latents, log_probs, conds = [], [], []
         nfe = 0
         for start in range(0, n, chunk):
+            if start:
+                self._check_stop("rollout")
             rows = torch.arange(start, min(start + chunk, n))
             traj = chunked_rollout(self._velocity_fn(None), self.adapter.commit, noise[rows],
                                    plan.sigmas, plan.sde_mask[rows], cond=batch.cond[rows], kernel=plan.kernel,

@@ -197,6 +197,30 @@ def test_sigterm_abandons_the_phase_and_checkpoints(tmp_path):
     assert all(torch.equal(state["trainable"][n], p.cpu()) for n, p in trainable(trainer).items())
 
 
+def test_sigterm_during_a_rollout_stops_before_its_next_chunk(tmp_path, monkeypatch):
+    """A rollout in chunks of trainer.rollout_batch_size honours a stop request between chunks: a SIGTERM in the
+    first chunk of the first iteration runs no second chunk, and the run stops with that iteration abandoned."""
+    import os
+    import signal
+
+    import flowgrpo.trainer as trainer_module
+
+    trainer = Trainer(make_cfg(tmp_path, *ALGOS["flow_grpo"], "trainer.rollout_batch_size=2"), tmp_path)
+    real, chunks = trainer_module.ragged_rollout, []
+
+    def rollout_then_signal(*args, **kwargs):
+        chunks.append(len(args[1]))
+        if len(chunks) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "ragged_rollout", rollout_then_signal)
+    summary = trainer.fit()
+    assert trainer.batch.rollout_batch_per_process == 2  # 4 samples: two chunks, of which only the first ran
+    assert chunks == [2]
+    assert summary["stopped"] == "stop requested during rollout; iteration 1 abandoned" and trainer.iteration == 0
+
+
 def test_lora_checkpoint_loads_with_load_lora_weights(tmp_path):
     trainer = Trainer(make_cfg(tmp_path, *ALGOS["mix_grpo"], "trainer.iterations=1"), tmp_path)
     trainer.fit()
