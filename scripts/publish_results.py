@@ -87,7 +87,7 @@ def readme_results() -> str:
     cost = load("bench_iteration_cpu.json")["ratios"]
     return "\n".join([
         f"On the embedded worlds, 2 CPU cores, held-out GenEval strict / partial, mean ± std over {seeds} seeds "
-        "([docs/results.md](docs/results.md)):",
+        "([Results](docs/results.md)):",
         "",
         f"* `python train.py` (MixGRPO, {d['iterations']} iterations): {base} → **{_strict_partial(d, 'final')}**; "
         f"Flash-GRPO {_strict_partial(f, 'final')}; Flow-GRPO on its 3 noisiest steps "
@@ -102,7 +102,7 @@ def readme_results() -> str:
         f"{_signed(taros['taros']['geneval']['change'])} strict against the weighted sum's "
         f"{_signed(taros['sum']['geneval']['change'])}{stale_note('multireward.json')}.",
         f"* Iteration cost against Flow-GRPO with every step trained: MixGRPO {cost['mix_grpo']:.2f}×, Flash-GRPO "
-        f"{cost['flash_grpo']:.2f}× ([docs/performance.md](docs/performance.md)){stale_note('bench_iteration_cpu.json')}.",
+        f"{cost['flash_grpo']:.2f}× ([Performance](docs/performance.md)){stale_note('bench_iteration_cpu.json')}.",
     ])
 
 
@@ -150,8 +150,14 @@ def provenance_table() -> str:
     return "\n".join(lines)
 
 
+def index_results() -> str:
+    """The documentation home page's headline: the README's, with links relative to ``docs/``."""
+    return readme_results().replace("](docs/", "](")
+
+
 BLOCKS = {
     "readme-results": (REPO / "README.md", readme_results),
+    "index-results": (REPO / "docs" / "index.md", index_results),
     "image-runs": (REPO / "docs" / "results.md", image_runs_table),
     "provenance": (REPO / "docs" / "results.md", provenance_table),
 }

@@ -80,12 +80,15 @@ def test_a_readme_number_edited_by_hand_is_caught(tmp_path, monkeypatch):
     assert number in publish.blocks_in(readme.read_text())["readme-results"]
 
 
-def test_the_readme_results_section_is_all_generated():
-    """No number in the README's results section stands outside its generated block."""
-    text = (REPO / "README.md").read_text()
-    section = text.split("## Results", 1)[1].split("\n## ", 1)[0]
+@pytest.mark.parametrize("page, heading", [("README.md", "## Results"), ("docs/index.md", "## Headline results")])
+def test_the_headline_results_sections_are_all_generated(page, heading):
+    """No number in the README's results section or the documentation home page's headline stands outside its
+    generated block."""
+    text = (REPO / page).read_text()
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    assert publish._BLOCK.search(section), f"{page}: no generated block under {heading!r}"
     outside = publish._BLOCK.sub("", section)
-    assert not re.search(r"\d+\.\d+", outside), f"numbers outside the generated block: {outside!r}"
+    assert not re.search(r"\d+\.\d+", outside), f"{page}: numbers outside the generated block: {outside!r}"
 
 
 def test_a_headline_from_a_stale_file_says_so(monkeypatch):
@@ -104,3 +107,17 @@ def test_tripwire_compare_names_what_moved(bad):
     assert problems and all("iteration 1" in p for p in problems)
     assert tripwire.fingerprint(ref) == tripwire.fingerprint([{"iteration": 1, "a": 1.0 + 1e-12, "b": float("nan")}])
     assert tripwire.fingerprint(ref) != tripwire.fingerprint([{"iteration": 1, "a": 1.001, "b": float("nan")}])
+
+
+def test_a_docs_section_that_cites_a_stale_result_says_it_is_stale():
+    """Marking a result stale in the provenance is not enough: every section of the docs that links it (by its
+    file name under results/) says "stale", so a reader of that page knows."""
+    records = publish.provenance()
+    missing = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for section in re.split(r"\n(?=#{1,3} )", page.read_text()):
+            cited = {name for name in re.findall(r"results/([\w.\-]+)", section) if name in records}
+            stale = sorted(name for name in cited if records[name]["stale"])
+            if stale and "stale" not in section.lower():
+                missing.append(f"{page.name} / {section.splitlines()[0][:60]!r}: {stale}")
+    assert not missing, "sections citing stale results without saying so:\n  " + "\n  ".join(missing)
