@@ -5,7 +5,6 @@ also goes to ``train.log`` there (:mod:`flowgrpo.runlog`)."""
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 import warnings
 from pathlib import Path
@@ -16,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import atomic_write_text
 from .config import validate
-from .runlog import LOG_NAME, code_version, discard_hydra_dir, log, remove_empty_dirs, run_log
+from .runlog import LOG_NAME, close_file_logs, code_version, discard_hydra_dir, log, remove_empty_dirs, run_log
 
 __all__ = ["main", "resolve_output_dir"]
 
@@ -54,11 +53,7 @@ def _adopt_hydra_dir(out: Path, main: bool) -> None:
     if not HydraConfig.initialized():
         return
     hydra_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
-    root = logging.getLogger()
-    for handler in list(root.handlers):  # run_log writes train.log (one writer, and only on the main process)
-        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).resolve().parent == hydra_dir:
-            root.removeHandler(handler)
-            handler.close()
+    close_file_logs(hydra_dir)  # run_log writes train.log (one writer, and only on the main process)
     if hydra_dir == out.resolve() or not hydra_dir.is_dir():
         return
     try:

@@ -162,6 +162,15 @@ def code_version(where: str | Path | None = None) -> dict | None:
     return {"commit": head.stdout.strip(), "changes": bool(status.stdout.strip())}
 
 
+def close_file_logs(directory: Path) -> None:
+    """Detach and close the root logger's file handlers writing into ``directory`` (Hydra's own ``train.log``)."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).resolve().parent == directory:
+            root.removeHandler(handler)
+            handler.close()
+
+
 def remove_empty_dirs(start: Path) -> None:
     """Remove ``start`` and its parents while they are empty, up to (not including) the working directory."""
     stop = Path.cwd().resolve()
@@ -179,11 +188,7 @@ def discard_hydra_dir() -> None:
     if not HydraConfig.initialized():
         return
     hydra_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).resolve().parent == hydra_dir:
-            root.removeHandler(handler)
-            handler.close()
+    close_file_logs(hydra_dir)
     if not hydra_dir.is_dir():
         return
     log_file = hydra_dir / LOG_NAME
