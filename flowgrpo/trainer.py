@@ -51,6 +51,21 @@ from .runlog import log, run_log
 __all__ = ["Trainer", "Batch", "TrainerContext", "NonFiniteError"]
 
 
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free on ``device``: the GPU's free memory, or on a CPU the host's ``MemAvailable`` (Linux); None when
+    it cannot be told."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 class NonFiniteError(RuntimeError):
     """Too many consecutive optimizer updates were skipped (a non-finite loss or gradient norm, or an update beyond
     ``trainer.max_update_ratio``); the run stops, its weights as they were before those updates."""
@@ -203,6 +218,7 @@ class Trainer:
         chunks = self.adapter.num_chunks(cfg.model.num_frames) if self.chunked else 1
         self.algorithm = build_algorithm(cfg.algo, cfg.sampler, self.sampler.sigmas, chunks=chunks)
         self.batch = batch_plan(cfg, self.world, trained_steps=self.algorithm.trained_steps())
+        self._check_rollout_memory()
         self.policy = TrainerContext(self)
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
                                            weight_decay=t.weight_decay)
@@ -906,6 +922,37 @@ class Trainer:
 
     class _Abandon(Exception):
         pass
+
+    def rollout_bytes(self) -> int:
+        """What one iteration's rollouts keep on one process: every state of every trajectory (float32; twice with
+        an algorithm that records the SDE means) and the decoded samples the reward reads."""
+        m, c = self.batch.rollouts_per_process, self.cfg.model
+        frames = c.get("num_frames")
+        latent_adapter = self.adapter.frames if self.chunked else self.adapter
+        latent = math.prod(latent_adapter._latent_shape(1, c.height, c.width, frames)[1:])
+        states = (int(self.cfg.sampler.num_steps) + 1) * (2 if self.algorithm.records_means else 1)
+        pixels = 3 * c.height * c.width * (frames or 1)
+        return 4 * m * (states * latent + pixels)
+
+    def _check_rollout_memory(self, available: int | None = None) -> None:
+        """Refuse, before the first rollout, a batch whose trajectories cannot fit: more than 80% of the memory
+        left on the device (host RAM on a CPU), with the numbers and the keys that set them."""
+        if available is None:
+            available = available_memory(self.device)
+        if available is None:
+            return
+        need = self.rollout_bytes()
+        if need <= 0.8 * available:
+            return
+        t = self.cfg.trainer
+        gib = 2 ** 30
+        raise MemoryError(
+            f"one iteration's rollouts keep {need / gib:.1f} GiB on each process ({self.batch.rollouts_per_process} "
+            f"samples = trainer.prompts_per_iteration={t.prompts_per_iteration} x trainer.group_size={t.group_size}"
+            f"{f' / {self.world} processes' if self.world > 1 else ''}, {int(self.cfg.sampler.num_steps) + 1} states "
+            f"each at sampler.num_steps={self.cfg.sampler.num_steps}, plus the decoded samples), but only "
+            f"{available / gib:.1f} GiB is available on {self.device}. Lower trainer.group_size or "
+            "trainer.prompts_per_iteration, or use more processes.")
 
     def _check_finite_rollout(self, batch: Batch, iteration: int) -> None:
         """Samples that are not finite mean the weights that drew them have diverged: stop here, before a reward

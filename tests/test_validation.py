@@ -131,3 +131,20 @@ def test_every_shipped_pipeline_accepts_its_own_sizes():
         cfg = compose_cfg(f"model={model}")
         assert size_multiples(cfg.model) is not None, model  # read from the local pipeline's configs
         check_sizes(cfg.model)
+
+
+def test_a_batch_whose_rollouts_cannot_fit_is_refused_with_the_numbers_before_the_first_rollout(tmp_path):
+    """One iteration keeps every state of every trajectory and the decoded samples: rollout_bytes counts them, and
+    more than 80% of the memory left is refused naming the keys (trainer.group_size=100000 used to fill 10 GB in
+    40 s before anything said so)."""
+    import math
+
+    trainer = Trainer(compose_cfg(), tmp_path / "run")
+    c, m = trainer.cfg.model, trainer.batch.rollouts_per_process
+    latent = math.prod(trainer.adapter._latent_shape(1, c.height, c.width, None)[1:])
+    states = (trainer.cfg.sampler.num_steps + 1) * (2 if trainer.algorithm.records_means else 1)
+    assert trainer.rollout_bytes() == 4 * m * (states * latent + 3 * c.height * c.width)
+    trainer._check_rollout_memory(available=2 * trainer.rollout_bytes())  # fits: nothing said
+    with pytest.raises(MemoryError, match=r"trainer\.prompts_per_iteration=\d+ x trainer\.group_size=\d+.*GiB is "
+                                          r"available on cpu\. Lower trainer\.group_size"):
+        trainer._check_rollout_memory(available=trainer.rollout_bytes())
