@@ -93,6 +93,28 @@ def test_a_rollout_that_is_not_finite_stops_the_run_and_no_checkpoint_of_those_w
     assert again.iteration == 1
 
 
+_SMALL = ["logger=none", "trainer.prompts_per_iteration=2", "trainer.group_size=2", "trainer.train_batch_size=4",
+          "trainer.gradient_accumulation_steps=1", "trainer.eval_before=false", "trainer.eval_at_end=false",
+          "trainer.eval_every=0", "trainer.gallery_every=0", "trainer.checkpoint_every=0", "trainer.iterations=3",
+          "trainer.lr=1e6", "trainer.max_skipped_updates=2"]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("world", [["experiment=video_shapes", "trainer.rollout_batch_size=null"],
+                                   ["experiment=stream_grpo_shapes", "data.max_prompts=8"]], ids=["video", "stream"])
+def test_a_blow_up_is_rolled_back_on_the_video_and_streaming_worlds_too(tmp_path, world):
+    """The same lr 1e6 on the embedded text-to-video (AWM) and streaming (streaming GRPO) models: every step is
+    undone, the run stops after max_skipped_updates with the weights it started with."""
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("train", overrides=[*world, *_SMALL, f"trainer.output_dir={tmp_path}"])
+    trainer = Trainer(cfg, tmp_path)
+    start = weights(trainer)
+    with pytest.raises(NonFiniteError, match=r"2 optimizer updates in a row.*times their norm.*rolled back"):
+        trainer.fit()
+    assert trainer.skipped_updates == 2 and trainer.updates == 0
+    assert all(torch.equal(a, b.detach()) for a, b in zip(start, trainer.params))
+
+
 def test_an_ordinary_update_is_not_taken_for_a_divergence(tmp_path):
     trainer = make(tmp_path, "trainer.iterations=2")
     trainer.fit()
