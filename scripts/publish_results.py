@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -61,10 +62,6 @@ def _minutes(seconds: float) -> str:
 IMAGE_RUNS = "headline_image_runs.json"
 IMAGE_LABELS = {"default": "`python train.py` (MixGRPO)", "flash_grpo": "`python train.py algo=flash_grpo`",
                 "flow_grpo": "`python train.py experiment=flow_grpo_shapes` (Flow-GRPO, its 3 noisiest steps)"}
-
-
-def _image_arm(arm: str) -> dict:
-    return load(IMAGE_RUNS)["arms"][arm]
 
 
 def _strict_partial(row: dict, part: str) -> str:
@@ -107,8 +104,6 @@ def readme_results() -> str:
 
 
 def _mean_std(values: list[float]) -> str:
-    import statistics
-
     return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
