@@ -162,6 +162,12 @@ def code_version(where: str | Path | None = None) -> dict | None:
     return {"commit": head.stdout.strip(), "changes": bool(status.stdout.strip())}
 
 
+def code_label(version: dict | None) -> str | None:
+    """:func:`code_version`'s result as one string: ``abc1234``, or ``abc1234+changes`` when tracked files differed
+    from that commit; None for None."""
+    return None if version is None else version["commit"] + ("+changes" if version["changes"] else "")
+
+
 def close_file_logs(directory: Path) -> None:
     """Detach and close the root logger's file handlers writing into ``directory`` (Hydra's own ``train.log``)."""
     root = logging.getLogger()

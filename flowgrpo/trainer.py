@@ -1136,9 +1136,9 @@ class Trainer:
         hand, or when its weights diverged (then a checkpoint of them already on disk is marked so)."""
         if self._diverged:
             done = self.iteration if self._snapshot is None else self._snapshot["iteration"]
-            for step, path in self.ckpt.checkpoints():
-                if step == done:  # written at the end of the iteration whose weights now give non-finite samples
-                    self.ckpt.mark_diverged(path, f"iteration {done + 1}'s rollout from these weights was not finite")
+            path = self.ckpt.path(done)  # written at the end of the iteration whose weights give non-finite samples
+            if path.is_dir():
+                self.ckpt.mark_diverged(path, f"iteration {done + 1}'s rollout from these weights was not finite")
             return None, "the weights of the last completed iteration produce non-finite samples: no checkpoint of them"
         if gathers_state(self.acc):
             return None, "under FSDP the full state is gathered by every process together, which an error prevents"

@@ -12,12 +12,12 @@ Each run is ``python train.py experiment=<preset> trainer.seed=<seed> [--set ...
 other so that their clocks do not share the CPU. An arm is a preset, or ``name=preset`` with overrides of its own
 (``--arm-set name key=value ...``): two arms may share a preset and differ in one knob; ``name=`` (no preset) runs
 the defaults, ``python train.py`` with the arm's overrides. The JSON records each arm's command and the commit of
-the runs' code (the one each run's ``summary.json`` names, else the one this script started at). Every run's directory is
-kept under ``--runs`` as ``<arm>_seed<seed>``; a run already finished there is read back instead of run again, so an
-interrupted comparison resumes where it stopped, and the JSON is rewritten after every run. A run stopped part-way
-(SIGTERM: its ``summary.json`` says ``stopped``; or killed after a checkpoint) continues from its newest checkpoint
-when the command is run again. SIGTERM or Ctrl-C to this script is passed on to the running ``train.py``, which
-checkpoints and stops; the script waits for it.
+the runs' code (the one each run's ``summary.json`` names, else the one this script started at). Every run's
+directory is kept under ``--runs`` as ``<arm>_seed<seed>``; a run already finished there is read back instead of
+run again, so an interrupted comparison resumes where it stopped, and the JSON is rewritten after every run. A run
+stopped part-way (SIGTERM: its ``summary.json`` says ``stopped``; or killed after a checkpoint) continues from its
+newest checkpoint when the command is run again. SIGTERM or Ctrl-C to this script is passed on to the running
+``train.py``, which checkpoints and stops; the script waits for it.
 
 Reported per arm: mean ± std over seeds of each ``--metrics`` held-out value at the last evaluation, its change
 from iteration 0, the value at every evaluation, and the wall clock of a run (evaluations included); for each
@@ -37,6 +37,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from flowgrpo.runlog import code_label, code_version  # noqa: E402  (light: no torch)
 
 
 def run(arm: str, seed: int, runs: Path, extra: list[str], metrics: list[str], *, preset: str | None = None,
@@ -64,7 +67,7 @@ def run(arm: str, seed: int, runs: Path, extra: list[str], metrics: list[str], *
     seconds = json.loads((out / "wall_clock.json").read_text())["seconds"]
     code = json.loads(summary.read_text()).get("code")  # the run's own record of its code, where it has one
     result = {"arm": arm, "seed": seed, "seconds": round(seconds, 1), "dir": str(out),
-              "commit": code["commit"] + ("+changes" if code["changes"] else "") if code else None,
+              "commit": code_label(code),
               "evals": [{"iteration": e["iteration"], **{m: e.get(m) for m in metrics}} for e in evals]}
     if train_metrics:
         train = [r for r in rows if not any(k.startswith("eval/") for k in r)]
@@ -80,16 +83,8 @@ def command_overrides(arm: str, preset: str | None, extra: list[str]) -> list[st
     return [*([f"experiment={preset}"] if preset else []), *extra]
 
 
-def source_commit() -> str:
-    """The commit the runs' code is at (``+changes`` when the work tree has uncommitted changes to tracked files)."""
-    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True)
-    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
-
-
-#: the code the runs use: the commit when this script started
-STARTED_AT = source_commit()
+#: the code the runs use: the commit when this script started (``+changes`` with uncommitted changes)
+STARTED_AT = code_label(code_version(REPO))
 
 
 def runs_commit(results: list[dict]) -> str | list[str]:

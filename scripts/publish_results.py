@@ -128,8 +128,8 @@ def image_runs_table() -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {change} | {row['seconds']['mean'] / 60:.1f} |")
     per_seed = []
     for arm, label in IMAGE_LABELS.items():
-        finals = [f"seed {r['seed']} {r['evals'][-1]['eval/geneval']:.3f} / {r['evals'][-1]['eval/geneval_partial']:.3f}"
-                  for r in image["runs"] if r["arm"] == arm]
+        last = [(r["seed"], r["evals"][-1]) for r in image["runs"] if r["arm"] == arm]
+        finals = [f"seed {seed} {e['eval/geneval']:.3f} / {e['eval/geneval_partial']:.3f}" for seed, e in last]
         per_seed.append(f"{label.split(' (')[0]}: " + ", ".join(finals))
     return "\n".join([*lines, "", "Per seed at the last evaluation, strict / partial: " + "; ".join(per_seed) + "."])
 

@@ -38,6 +38,10 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from flowgrpo.runlog import code_label, code_version  # noqa: E402  (light: no torch)
+
 REFERENCE = REPO / "tests" / "data" / "tripwire.json"
 RTOL, ATOL = 2e-4, 1e-7
 THREADS = 2
@@ -113,13 +117,6 @@ def compare(reference: list[dict], got: list[dict], rtol: float = RTOL, atol: fl
     return problems
 
 
-def git_head() -> str:
-    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True)
-    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
-
-
 def cpu_capability() -> str:
     import torch
 
@@ -146,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = run(name, Path(tmp))
             if args.update:
                 reference[name] = {"command": PRESETS[name]["command"], "overrides": PRESETS[name]["overrides"],
-                                   "commit": git_head(), "reason": args.reason, "cpu": cpu_capability(),
-                                   "fingerprint": fingerprint(rows),
+                                   "commit": code_label(code_version(REPO)), "reason": args.reason,
+                                   "cpu": cpu_capability(), "fingerprint": fingerprint(rows),
                                    "rows": rows}
                 REFERENCE.parent.mkdir(parents=True, exist_ok=True)  # after every preset: a later one may fail
                 REFERENCE.write_text(json.dumps(reference, indent=1, sort_keys=True) + "\n")

@@ -158,7 +158,7 @@ def test_the_final_summary_reports_a_change_only_where_both_ends_are_defined(mon
 
 
 def test_code_version_names_the_commit_of_the_code_and_nothing_outside_git(tmp_path):
-    from flowgrpo.runlog import code_version
+    from flowgrpo.runlog import code_label, code_version
 
     repo = Path(__file__).resolve().parents[1]
     head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=repo, capture_output=True, text=True)
@@ -166,3 +166,5 @@ def test_code_version_names_the_commit_of_the_code_and_nothing_outside_git(tmp_p
     assert version["commit"] == head.stdout.strip() and isinstance(version["changes"], bool)
     assert code_version() == version  # the package's own checkout
     assert code_version(tmp_path) is None  # an installed package: no git work tree, no guess
+    assert code_label({"commit": "abc1234", "changes": True}) == "abc1234+changes"
+    assert code_label({"commit": "abc1234", "changes": False}) == "abc1234" and code_label(None) is None
