@@ -184,13 +184,29 @@ class EvalSamples:
             prefix = found[0]
         return geneval_summary(self.components, self.prompts.metadata, prefix=prefix)
 
+    def rows_by_tag(self) -> dict[str, list[int]]:
+        """``{metadata tag: row indices}`` when the rows' metadata name at least two tags, else ``{}``."""
+        metadata = self.prompts.metadata
+        if not metadata:
+            return {}
+        groups: dict[str, list[int]] = {}
+        for row, meta in enumerate(metadata):
+            if isinstance(meta, dict) and meta.get("tag") is not None:
+                groups.setdefault(str(meta["tag"]), []).append(row)
+        return dict(sorted(groups.items())) if len(groups) > 1 else {}
+
     def scalars(self, tag: str = "eval") -> dict[str, float]:
         """What the trainer logs: ``{tag}/reward`` and ``{tag}/<component>``, means over the rows (NaN entries,
         e.g. a per-tag component outside its tag, skipped; NaN when all are), and per GenEval reward its overall
-        score, ``{tag}/[prefix/]geneval`` and ``{tag}/[prefix/]geneval_partial`` (when it scored any tag)."""
+        score, ``{tag}/[prefix/]geneval`` and ``{tag}/[prefix/]geneval_partial`` (when it scored any tag). For a
+        reward without GenEval components (which has its own per-tag summary) whose rows' metadata carry several
+        ``tag`` values, the reward per tag too, ``{tag}/by_tag/<name>/reward`` (e.g. one- and two-object streams)."""
         result = {f"{tag}/reward": float(self.scores.mean())}
         for k, v in self.components.items():
             result[f"{tag}/{k}"] = float(torch.nanmean(v)) if torch.any(~torch.isnan(v)) else float("nan")
+        if not geneval_prefixes(self.components):
+            for name, rows in self.rows_by_tag().items():
+                result[f"{tag}/by_tag/{name}/reward"] = float(self.scores[rows].mean())
         for prefix in geneval_prefixes(self.components):
             summary = geneval_summary(self.components, self.prompts.metadata, prefix=prefix)
             if summary["per_tag"]:

@@ -13,7 +13,8 @@ whether an evaluation of this size resolves it — a gain within about two stand
 Runs of the same model and evaluation share one base scoring.
 
 Reported per run and for every reward component: base mean, trained mean, mean change, its standard error, the
-share of samples that improved / got worse, and every sample's two scores.
+share of samples that improved / got worse, and every sample's two scores; when the held-out prompts carry several
+metadata tags, the reward per tag too (``by_tag/<tag>/reward``, e.g. one- and two-object streams apart).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def score(trainer, jobs) -> dict[str, list[float]]:
     out = trainer.held_out_samples(jobs)
     scores = {"reward": out.scores.float().tolist()}
     scores.update({k: v.float().tolist() for k, v in sorted(out.components.items()) if v.ndim == 1})
+    for tag, rows in out.rows_by_tag().items():  # e.g. one- and two-object streams apart
+        scores[f"by_tag/{tag}/reward"] = [scores["reward"][i] for i in rows]
     return scores
 
 
@@ -110,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.out:
             args.out.write_text(json.dumps(report, indent=2))
     summary = [{"run": r["run"], "iteration": r["iteration"],
-                **{k: {kk: round(vv, 4) for kk, vv in v.items()} for k, v in r["metrics"].items() if k == "reward"}}
+                **{k: {kk: round(vv, 4) for kk, vv in v.items()} for k, v in r["metrics"].items()
+                   if k == "reward" or (k.startswith("by_tag/") and k.endswith("/reward"))}}
                for r in report["runs"]]
     print(json.dumps(summary, indent=2))
     return report

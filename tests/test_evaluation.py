@@ -177,3 +177,23 @@ def test_two_processes_score_the_held_out_jobs_of_one(tmp_path):
         assert two[key] == value or (math.isnan(value) and math.isnan(two[key])), key
     tags = [k for k in one if k.startswith("eval/strict/") and not math.isnan(one[k])]
     assert len(tags) == 4 and one["eval/geneval"] == pytest.approx(sum(one[k] for k in tags) / 4)
+
+
+def test_eval_scalars_report_the_reward_per_metadata_tag():
+    """Held-out rows of several tags (one- and two-object streams): the reward per tag beside the overall mean,
+    computed over that tag's rows only; one tag, or no metadata: no per-tag keys."""
+    from flowgrpo.build import PromptSet
+    from flowgrpo.evaluation import EvalSamples
+
+    tags = ["one", "two", "one", "two", "one"]
+    prompts = PromptSet([f"p{i}" for i in range(5)], [{"tag": t} for t in tags], "mem", list(range(5)))
+    scores = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.0])
+    samples = EvalSamples(jobs=[(i, 0) for i in range(5)], prompts=prompts, scores=scores, components={})
+    assert samples.rows_by_tag() == {"one": [0, 2, 4], "two": [1, 3]}
+    out = samples.scalars()
+    assert out["eval/by_tag/one/reward"] == pytest.approx(0.5)
+    assert out["eval/by_tag/two/reward"] == pytest.approx(0.1)
+    assert out["eval/reward"] == pytest.approx(float(scores.mean()))
+    single = EvalSamples(jobs=[(0, 0)], prompts=PromptSet(["p"], [{"tag": "one"}], "mem", [0]),
+                         scores=torch.ones(1), components={})
+    assert not any("by_tag" in k for k in single.scalars())

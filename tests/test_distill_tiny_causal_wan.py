@@ -1,0 +1,106 @@
+"""``scripts/distill_tiny_causal_wan.py``: the teacher's targets are its flow map along the student's own sampler,
+teacher data that do not depend on restarts, an exact student resume, and an export that streams guidance-free."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowgrpo.models import StreamingWanPipeline
+from flowgrpo.models.stream_adapter import StreamAdapter
+from samplers import stream_sigmas
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "distill_tiny_causal_wan.py"
+_spec = importlib.util.spec_from_file_location("distill_tiny_causal_wan", _SCRIPT)
+dt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(dt)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+NUM_FRAMES = 33  # 9 latent frames, 9 blocks
+
+
+def _args(tmp_path, *extra):
+    return ["--teacher", "toy", "--streams", "3", "--shard", "2", "--steps", "3", "--batch", "2", "--warmup", "1",
+            "--num-frames", str(NUM_FRAMES), "--student-steps", "2", "--teacher-steps", "4", "--log-every", "1",
+            "--ckpt-every", "1", "--export-every", "0", "--threads", "1",
+            "--out", str(tmp_path / "pipe"), "--ckpt-dir", str(tmp_path / "ckpt"), *extra]
+
+
+def _draws(blocks, steps, shape, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn((2, blocks, *shape), generator=gen), torch.randn((2, blocks, steps - 1, *shape), generator=gen)
+
+
+def _setup():
+    teacher = dt.load_teacher("toy")
+    adapter = StreamAdapter(teacher)
+    metas = dt.training_metas(__import__("numpy").random.default_rng(0), 2, NUM_FRAMES)
+    channels, frames, h, w = teacher.adapter._latent_shape(1, 64, 64, NUM_FRAMES)[1:]
+    return teacher, adapter, metas, frames, (channels, 1, h, w)
+
+
+def test_one_level_flow_map_is_the_models_own_one_step_sampler():
+    """With one student level on a one-step teacher grid the teacher's ODE solve from σ=1 is one Euler step to 0,
+    which is exactly the sampler's clean prediction x − σ·v: the two paths agree, cache writes included."""
+    _, adapter, metas, blocks, shape = _setup()
+    noise, renoise = _draws(blocks, 1, shape)
+    grid = torch.cat([stream_sigmas(1, 3.0), torch.zeros(1)])
+    inputs, targets = dt.teacher_chain(adapter, metas, noise, renoise, grid=grid, starts=[0], guidance=4.5,
+                                       num_frames=NUM_FRAMES, max_sequence_length=16)
+    own = dt.reference_chain(adapter, metas, noise, renoise, levels=stream_sigmas(1, 3.0), guidance=4.5,
+                             num_frames=NUM_FRAMES, max_sequence_length=16)
+    assert torch.equal(inputs[:, :, 0], noise)
+    torch.testing.assert_close(targets[:, :, -1], own, rtol=1e-5, atol=1e-5)
+
+
+def test_each_level_input_is_the_previous_target_renoised_at_the_students_levels():
+    """The data follow the student's sampler: input j+1 = (1 − σ_{j+1})·target_j + σ_{j+1}·ε_j, the levels are points
+    of the teacher's grid, and a coarser teacher grid gives other targets (the targets are the teacher's solves)."""
+    _, adapter, metas, blocks, shape = _setup()
+    noise, renoise = _draws(blocks, 3, shape)
+    grid = torch.cat([stream_sigmas(6, 3.0), torch.zeros(1)])
+    starts = dt.level_indices(6, 3)
+    assert starts == [0, 2, 4]
+    levels = stream_sigmas(3, 3.0)
+    torch.testing.assert_close(grid[starts], levels)
+    inputs, targets = dt.teacher_chain(adapter, metas, noise, renoise, grid=grid, starts=starts,
+                                       guidance=1.0, num_frames=NUM_FRAMES, max_sequence_length=16)
+    assert inputs.shape == targets.shape == (2, blocks, 3, *shape)
+    for j in range(2):
+        s = float(levels[j + 1])
+        torch.testing.assert_close(inputs[:, :, j + 1], (1 - s) * targets[:, :, j] + s * renoise[:, :, j])
+    coarse = torch.cat([stream_sigmas(3, 3.0), torch.zeros(1)])
+    _, other = dt.teacher_chain(adapter, metas, noise, renoise, grid=coarse, starts=[0, 1, 2], guidance=1.0,
+                                num_frames=NUM_FRAMES, max_sequence_length=16)
+    assert not torch.allclose(other[:, 0, 0], targets[:, 0, 0])
+    with pytest.raises(ValueError, match="multiple of --student-steps"):
+        dt.level_indices(10, 4)
+
+
+def test_teacher_shards_do_not_depend_on_restarts_and_the_student_resumes_exactly(tmp_path):
+    straight = dt.main(_args(tmp_path / "a"))
+    # another directory makes shard 1 first, alone: the same streams as the run that made shard 0 before it
+    args = dt.parse_args(_args(tmp_path / "c"))
+    data = dt.TeacherData(args, dt.load_teacher("toy"))
+    data.make(1)
+    alone = torch.load(data.path(1), weights_only=False)
+    first = torch.load(tmp_path / "a" / "ckpt" / "teacher" / "shard-0001.pt", weights_only=False)
+    assert alone["metas"] == first["metas"] and torch.equal(alone["targets"], first["targets"])
+
+    dt.main(_args(tmp_path / "b", "--stop-at", "2"))
+    resumed = dt.main(_args(tmp_path / "b", "--resume"))
+    for p, q in zip(straight.params, resumed.params):
+        assert torch.equal(p, q)
+    assert [e["loss"] for e in straight.log] == [e["loss"] for e in resumed.log]
+
+    out = tmp_path / "a" / "pipe"
+    summary = json.loads((out / "pretrain_summary.json").read_text())
+    assert summary["step"] == 3 and summary["teacher_streams"] == 3
+    pipe = StreamingWanPipeline.from_pretrained(out)
+    assert pipe.config.guidance_scale == 1.0 and pipe.config.num_steps == 2 and pipe.config.recache is False
+    video = pipe(["a red circle moving left", "a red circle standing still"], switch_frames=[17],
+                 num_frames=NUM_FRAMES, generator=torch.Generator().manual_seed(0)).videos
+    assert video.shape == (1, NUM_FRAMES, 3, 64, 64) and torch.isfinite(video).all()
