@@ -3,6 +3,7 @@ TVE scores from replays, the branch policy, reference-relative advantages and th
 
 import itertools
 import math
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -54,6 +55,46 @@ def test_a_re_caching_model_routes_only_to_frames_it_still_caches():
             assert plain.pool_start == 1
     assert after >= 5
     assert 12 not in plan_routing(30, 1, 1, 4, prompt_index=0, recache=True, **kwargs).eligible_forks  # pool empty
+
+
+@torch.no_grad()
+def test_a_re_cache_right_after_the_routed_blocks_re_encodes_unrouted():
+    """A re-caching model whose switch follows the routed blocks re-writes some of them under the new prompt.
+    The re-cache re-encodes those frames with the sink as their context, whatever branch wrote them (the routing
+    decides how a routed block is generated, not how a switch re-encodes it), so a branch's stream runs through
+    the switch and equals one whose re-cache was run with no route at all; the routed blocks still differ from the
+    unrouted stream's."""
+    frames, switch = 12, 8
+    plans = [plan_routing(frames, 1, 1, 4, num_branches=2, routed_blocks=2, nearest_m=1, seed=0, prompt_index=i,
+                          recache=True, segment_starts=[switch]) for i in range(40)]
+    plan = next(p for p in plans if p.fork_frame < switch and p.end_frame > switch + 1 - 4)
+    wan = CausalWan(tiny_wan(), block_frames=1, sink_frames=1, window_frames=4)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, C, frames, H, W, generator=g, dtype=F64)
+    texts = torch.randn(2, 1, 5, 16, generator=g, dtype=F64)
+    t = torch.full((1,), 500.0, dtype=F64)
+
+    def stream(route, recache_route):
+        wan.reset()
+        outs = []
+        with wan.routed(route):
+            for s in range(frames):
+                text = texts[int(s >= switch)]
+                outs.append(wan(x[:, :, s:s + 1], t, text, frame_offset=s))
+                wan.write(x[:, :, s:s + 1], text, frame_offset=s)
+                if s + 1 == switch:
+                    start = wan.recache_start(switch)
+                    assert start < plan.end_frame                        # the re-cache re-writes routed frames
+                    with wan.routed(recache_route) if recache_route != "same" else nullcontext():
+                        wan.recache(x[:, :, start:switch], texts[1], frame_offset=start)
+        return torch.cat(outs, 2)
+
+    branch = stream(route_fn(plan, 0), "same")
+    assert diff(branch, stream(route_fn(plan, 0), None)) == 0
+    unrouted = stream(None, None)
+    fork = plan.fork_frame
+    assert diff(branch[:, :, :fork], unrouted[:, :, :fork]) == 0
+    assert diff(branch[:, :, fork:plan.end_frame], unrouted[:, :, fork:plan.end_frame]) > 1e-6
 
 
 def test_a_stacked_route_gives_each_row_its_own_plans_frames():

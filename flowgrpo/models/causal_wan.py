@@ -614,16 +614,22 @@ class CausalWan:
         normally ``[recache_start(s), s)`` for a switch at ``s``) under the new prompt, block by block. The stream
         then continues as if those frames had been made under the new prompt after the sink: a
         :func:`teacher_forcing_mask` over the sink and these frames, with :meth:`full`'s ``text_frames`` giving the
-        sink its old prompt, trains exactly what it samples."""
+        sink its old prompt, trains exactly what it samples.
+
+        A route (:meth:`routed`) does not apply here: it decides which frames a block attends while it is
+        generated, and the re-cache re-encodes the frames with the sink and each other as their context whichever
+        route wrote them (KVPO, arXiv 2605.14278, routes only inside a chunk; its re-cache at a switch runs
+        unperturbed)."""
         frames = latents.shape[2]
         if frame_offset < self.sink_frames or frame_offset % self.block_frames:
             raise ValueError(f"recache starts at a block after the sink ({self.sink_frames}), got {frame_offset}")
         keep = [i for i, p in enumerate(self.cache.positions) if p < self.sink_frames]
         self.cache = self.cache.index_frames(keep)
-        for s in range(frame_offset, frame_offset + frames, self.block_frames):
-            part = slice(s - frame_offset, s - frame_offset + self.block_frames)
-            self.write(latents[:, :, part], encoder_hidden_states, frame_offset=s,
-                       noise=None if noise is None else noise[:, :, part])
+        with self.routed(None):
+            for s in range(frame_offset, frame_offset + frames, self.block_frames):
+                part = slice(s - frame_offset, s - frame_offset + self.block_frames)
+                self.write(latents[:, :, part], encoder_hidden_states, frame_offset=s,
+                           noise=None if noise is None else noise[:, :, part])
 
     def full(self, x: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor, *,
              mask: torch.Tensor, frame_positions: Sequence[int] | torch.Tensor | None = None,
