@@ -31,7 +31,7 @@ PRESETS = ["experiment", "debug"]
 TINY_MODELS = ["tiny_sd3", "tiny_flux", "tiny_wan"]
 # Streaming models (model.family=causal_wan): sampled by python -m flowgrpo.stream, refused by the trainer; loaded
 # through tiny twins in tests/test_stream_presets.py.
-STREAM_MODELS = ["causal_wan_shapes", "longlive_wan", "self_forcing_wan"]
+STREAM_MODELS = ["causal_wan_shapes", "causal_wan_shapes_4step", "longlive_wan", "self_forcing_wan"]
 #: what a streaming model trains with (the other options of these groups train models that denoise whole clips)
 STREAMING = ["algo=stream_grpo", "sampler=stream", "reward=long_video", "data=motion_streams"]
 
