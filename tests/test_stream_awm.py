@@ -368,3 +368,20 @@ def test_one_iteration_trains_and_a_run_resumes_exactly(tmp_path):
     for (name, p), (_, q) in zip(straight.unwrapped.named_parameters(), resumed.unwrapped.named_parameters()):
         assert torch.equal(p, q), name
     assert rewards == resumed_rewards
+
+
+def test_per_segment_advantages_through_the_trainer(tmp_path):
+    """``algo.advantage=segment`` on the embedded model: phase 4 forms per-segment advantages from the long-video
+    reward's ``segment<k>/...`` components, each stream's advantage is the mean of its blocks', and the update is
+    finite."""
+    from flowgrpo.trainer import Trainer
+
+    trainer = Trainer(make_cfg(tmp_path, "algo.advantage=segment", "trainer.iterations=1"), tmp_path)
+    batch = trainer.score(trainer.rollout(trainer.plan(0), 0))
+    trainer.advantage(batch)
+    per_segment = batch.extras["segment_advantages"]
+    segments = batch.cond.segments
+    assert per_segment.shape == (2, int(segments.max()) + 1) and bool(torch.isfinite(per_segment).all())
+    assert torch.allclose(batch.advantages.cpu(), per_segment.gather(1, segments).mean(1))
+    scalars = trainer.update(batch, 0)
+    assert trainer.updates == 1 and all(torch.isfinite(torch.tensor(v)) for v in scalars.values())
