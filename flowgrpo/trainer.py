@@ -151,6 +151,10 @@ class TrainerContext(UpdateContext):
     def routed(self, route):
         return self._stream().wan.routed(route)
 
+    def teacher_forced_velocity(self, clean, noisy, sigma, cond):
+        with self._trainer.acc.autocast():
+            return self._stream().teacher_forced_velocity(clean, noisy, sigma, cond, transformer=self._module)
+
     def noise(self, generators):
         return self._trainer.adapter.prepare_noise(len(generators), generator=list(generators),
                                                    **self._trainer.model_kw["size"])

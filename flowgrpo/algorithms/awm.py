@@ -47,7 +47,7 @@ from .base import Algorithm, Batch, UpdateContext
 from .losses import keyed_noise, renoise
 from .old_policy import OldPolicy
 
-__all__ = ["AWMConfig", "AWM", "awm_weight", "stratified_levels", "ema_decay"]
+__all__ = ["AWMConfig", "AWM", "awm_weight", "awm_objective", "scaled_advantages", "stratified_levels", "ema_decay"]
 
 WEIGHTINGS = ("uniform", "t", "t2", "huber", "ghuber")
 
@@ -84,6 +84,37 @@ def awm_weight(loss: torch.Tensor, sigma: torch.Tensor, weighting: str, power: f
         floor = torch.tensor(1e-10, dtype=torch.float64)
         return sigma * ((loss + 1e-10).pow(power) - floor.pow(power)) / power
     raise ValueError(f"algo.weighting={weighting!r} is not one of {', '.join(WEIGHTINGS)}")
+
+
+def scaled_advantages(advantages: torch.Tensor, clip: float, advantage_max: float) -> torch.Tensor:
+    """``Â = clip(A, ±clip)/clip·advantage_max`` (``algo.adv_clip``, ``algo.advantage_max``)."""
+    return advantages.float().clamp(-clip, clip) / clip * advantage_max
+
+
+def awm_objective(v: torch.Tensor, target: torch.Tensor, sigma: torch.Tensor, advantages: torch.Tensor, cfg,
+                  v_ema: torch.Tensor | None = None,
+                  v_ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """AWM's loss over ``B`` trained items (a sample at one noise level; a block of a stream at its own): the
+    advantage-weighted policy term ``mean(−Â·exp(w − sg(w)))`` with ``w = awm_weight(ℓ, σ)``,
+    ``ℓ = mean_d (v − target)²``, plus ``cfg.ema_kl_beta·mean‖v − v_ema‖²`` and ``cfg.kl_beta·mean‖v − v_ref‖²``
+    when those velocities are given. ``v``, ``target`` ``[B, ...]``; ``sigma``, ``advantages`` (already
+    :func:`scaled_advantages`) ``[B]``; ``cfg`` has ``weighting``, ``ghuber_power``, ``ema_kl_beta``, ``kl_beta``."""
+    fm = _sq_mean(v.double() - target.double())
+    w = awm_weight(fm, sigma, cfg.weighting, cfg.ghuber_power)
+    adv = advantages.to(fm.device).double()
+    ratio = torch.exp(w.detach() - w)  # exp(log-likelihood surrogate − its stop-gradient): 1, with ∇ = −∇w
+    loss = (-adv * ratio).mean().float()
+    info: dict[str, Any] = {"policy_loss": loss.detach(), "fm_loss": fm.detach().mean().float(),
+                            "weighted_fm": w.detach().mean().float()}
+    if v_ema is not None:
+        ema_kl = _sq_mean(v - v_ema).mean()
+        loss = loss + cfg.ema_kl_beta * ema_kl
+        info["ema_kl"] = ema_kl.detach()
+    if v_ref is not None:
+        kl = _sq_mean(v - v_ref).mean()
+        loss = loss + cfg.kl_beta * kl
+        info["kl"] = kl.detach()
+    return loss, info
 
 
 def stratified_levels(num_steps: int, count: int, fraction: float, skip_first: bool, rows: int,
@@ -152,8 +183,7 @@ class AWM(Algorithm):
 
     def policy_advantages(self, advantages: torch.Tensor) -> torch.Tensor:
         """``Â = clip(A, ±adv_clip)/adv_clip·advantage_max``."""
-        clip = self.cfg.adv_clip
-        return advantages.float().clamp(-clip, clip) / clip * self.cfg.advantage_max
+        return scaled_advantages(advantages, self.cfg.adv_clip, self.cfg.advantage_max)
 
     def loss(self, ctx: UpdateContext, batch: Batch, rows: torch.Tensor,
              steps: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -178,22 +208,7 @@ class AWM(Algorithm):
                 with ctx.reference():
                     v_ref = ctx.velocity(x_t, sigma, cond)
         v = ctx.velocity(x_t, sigma, cond)
-        fm = _sq_mean(v.double() - (eps - x0).double())
-        w = awm_weight(fm, sigma, cfg.weighting, cfg.ghuber_power)
-        adv = self.policy_advantages(batch.advantages[rows]).to(x0.device).double()
-        ratio = torch.exp(w.detach() - w)  # exp(log-likelihood surrogate − its stop-gradient): 1, with ∇ = −∇w
-        loss = (-adv * ratio).mean().float()
-        info: dict[str, Any] = {"policy_loss": loss.detach(), "fm_loss": fm.detach().mean().float(),
-                                "weighted_fm": w.detach().mean().float()}
-        if v_ema is not None:
-            ema_kl = _sq_mean(v - v_ema).mean()
-            loss = loss + cfg.ema_kl_beta * ema_kl
-            info["ema_kl"] = ema_kl.detach()
-        if v_ref is not None:
-            kl = _sq_mean(v - v_ref).mean()
-            loss = loss + cfg.kl_beta * kl
-            info["kl"] = kl.detach()
-        return loss, info
+        return awm_objective(v, eps - x0, sigma, self.policy_advantages(batch.advantages[rows]), cfg, v_ema, v_ref)
 
     def end_iteration(self, ctx: UpdateContext | None = None) -> None:
         """``θ_ema ← d·θ_ema + (1−d)·θ``, ``d`` = :func:`ema_decay` at ``ctx.updates``."""

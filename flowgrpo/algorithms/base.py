@@ -241,6 +241,15 @@ class UpdateContext:
         cached_positions)`` picks (one list, or one row per stream) instead of their sink + window."""
         raise NotImplementedError
 
+    def teacher_forced_velocity(self, clean: torch.Tensor, noisy: torch.Tensor, sigma: torch.Tensor,
+                                cond: Any) -> torch.Tensor:
+        """A streaming model's velocity of every block of whole streams in one teacher-forced forward per stream:
+        ``noisy`` ``[n, K, ...]`` blocks at ``sigma`` ``[n, K]``, each against the clean context the stream's cache
+        held (built from ``clean``, the committed blocks), under its own segment's prompt; no guidance. Block
+        ``k``'s output equals :meth:`velocity` at ``(noisy[:, k], sigma[:, k])`` under block ``k``'s conditioning
+        without guidance. Differentiable; inside :meth:`reference` it is the reference policy's."""
+        raise NotImplementedError
+
     def noise(self, generators: list[torch.Generator]) -> torch.Tensor:
         """Initial noise in the model's layout, one sample per generator (``[n, C, ...]`` chunked ``[n, K, ...]``)."""
         raise NotImplementedError

@@ -634,9 +634,10 @@ class CausalWan:
     def full(self, x: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor, *,
              mask: torch.Tensor, frame_positions: Sequence[int] | torch.Tensor | None = None,
              text_frames: Sequence[int] | torch.Tensor | None = None,
-             prompt_tokens: int | None = None) -> torch.Tensor:
+             prompt_tokens: int | None = None, module: torch.nn.Module | None = None) -> torch.Tensor:
         """One forward over the whole sequence ``x`` ``[B, C, F, h, w]`` under the frame-level bool ``mask``
         ``[F, F]`` (query, key); frames at ``frame_positions`` (default ``0..F-1``). No cache is read or written.
+        ``module``: what to call instead of the transformer (its DDP wrapper), as in :meth:`__call__`.
 
         ``text_frames`` (``[F]``, or ``[B, F]`` per row, ints): ``encoder_hidden_states`` is several prompts'
         embeddings concatenated along the tokens (``[B, P·L, D]``, ``prompt_tokens`` = L each; default: as many
@@ -659,4 +660,4 @@ class CausalWan:
             if tokens % call.prompt_tokens or tokens // call.prompt_tokens < prompts:
                 raise ValueError(f"text_frames names {prompts} prompts of {call.prompt_tokens} tokens but "
                                  f"encoder_hidden_states has {tokens} tokens")
-        return self._run(call, x, timestep, encoder_hidden_states)
+        return self._run(call, x, timestep, encoder_hidden_states, module)

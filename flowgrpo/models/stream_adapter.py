@@ -32,10 +32,10 @@ import torch
 from samplers import chunked_rollout, stream_sigmas
 
 from .base import TransformerAccess
-from .causal_wan import CacheState
+from .causal_wan import CacheState, teacher_forcing_mask
 from .stream_pipeline import StreamingWanPipeline
 
-__all__ = ["StreamCond", "StreamAdapter", "stream_sde_mask"]
+__all__ = ["StreamCond", "StreamAdapter", "ForcingRun", "stream_sde_mask"]
 
 
 def _cat_cache(a: CacheState, b: CacheState) -> CacheState:
@@ -127,6 +127,22 @@ class StreamCond:
         """``[B, L, D]``: each row's prompt embeddings for this block."""
         seg = self.segments[:, self.block].to(self.text.device)
         return self.text[torch.arange(len(self), device=self.text.device), seg]
+
+
+@dataclass(frozen=True)
+class ForcingRun:
+    """Part of a stream's teacher-forced sequence (:meth:`StreamAdapter.forcing_runs`): the noisy ``blocks`` it trains
+    and the clean frames the stream's cache held for them.
+
+    Attributes:
+        clean: ascending latent frame positions of the clean context.
+        clean_text: the segment whose prompt each clean frame was written under.
+        blocks: the blocks (consecutive) whose noisy copies this run trains.
+    """
+
+    clean: tuple
+    clean_text: tuple
+    blocks: tuple
 
 
 def stream_sde_mask(num_steps: int) -> torch.Tensor:
@@ -326,6 +342,107 @@ class StreamAdapter(TransformerAccess):
         else:
             negative_cache = None
         return replace(cond, cache=cache, negative_cache=negative_cache, block=nxt, past=past)
+
+    # ------------------------------------------------------------------ the teacher-forced forward
+    def forcing_runs(self, segments: Sequence[int]) -> list[ForcingRun]:
+        """How one stream's blocks (``segments``: the segment of each block) are trained in one forward: a run per
+        stretch of blocks that read the same cache history. Without re-cache that is one run, every clean frame
+        under its own segment's prompt (what the write passes stored). With re-cache, a prompt switch at frame ``s``
+        that re-wrote the window ``[r, s)`` (:meth:`CausalWan.recache_start`) starts a new run whose clean
+        context is the sink as first written, ``[r, s)`` under the new prompt, then its own frames: exactly the
+        cache its blocks read. The runs of a stream become one sequence under a block-diagonal mask."""
+        c = self.config
+        bf, K = c.block_frames, len(segments)
+        if c.window_frames is None and c.cache_frames is not None:
+            raise NotImplementedError(
+                f"model.stream.cache_frames={c.cache_frames} without model.stream.window_frames: the cache evicts "
+                "frames that a block without a window would attend, which a teacher-forced forward does not "
+                "reproduce; set model.stream.window_frames")
+        segments = [int(k) for k in segments]
+        starts = [0]
+        if c.recache:
+            starts += [b for b in range(1, K)
+                       if segments[b] != segments[b - 1] and self.wan.recache_start(b * bf) < b * bf]
+        runs = []
+        for i, b0 in enumerate(starts):
+            b1 = starts[i + 1] if i + 1 < len(starts) else K
+            s, e = b0 * bf, b1 * bf
+            if b0 == 0:
+                clean = list(range(e))
+                text = [segments[p // bf] for p in clean]
+            else:  # after a re-cache: the sink as first written, the window re-written under the new prompt
+                r = self.wan.recache_start(s)
+                sink = list(range(min(c.sink_frames, r)))
+                clean = sink + list(range(r, e))
+                text = ([segments[p // bf] for p in sink] + [segments[b0]] * (s - r)
+                        + [segments[p // bf] for p in range(s, e)])
+            runs.append(ForcingRun(tuple(clean), tuple(text), tuple(range(b0, b1))))
+        return runs
+
+    def teacher_forced_velocity(self, clean: torch.Tensor, noisy: torch.Tensor, sigma: torch.Tensor,
+                                cond: StreamCond, *, transformer: torch.nn.Module | None = None) -> torch.Tensor:
+        """The conditional velocity of every block of a batch of streams in one forward per stream: the sequence
+        ``[clean context; noisy blocks]`` under :func:`~flowgrpo.models.causal_wan.teacher_forcing_mask`
+        (block-diagonal over :meth:`forcing_runs`), each frame under its own segment's prompt, clean frames at
+        timestep 0, each noisy block at its own ``σ``. Block ``k``'s output equals :meth:`velocity` (without
+        guidance) of ``noisy[:, k]`` at ``sigma[:, k]`` against the cache the stream wrote from ``clean``.
+
+        Args:
+            clean: ``[B, K, C, F, h, w]`` the clean blocks the stream committed.
+            noisy: ``[B, K, C, F, h, w]`` the blocks to denoise.
+            sigma: ``[B, K]`` each noisy block's noise level.
+            cond: the streams' conditioning (any block's: its segment prompts and segments are read).
+            transformer: what to call instead of the transformer (its wrapper; the reference policy's context).
+
+        Returns ``[B, K, C, F, h, w]`` float32, differentiable (the gradient also flows through the clean context,
+        whose keys the same weights compute)."""
+        self._check_module(transformer)
+        B, K = clean.shape[:2]
+        if noisy.shape != clean.shape or tuple(sigma.shape) != (B, K) or len(cond) != B:
+            raise ValueError(f"clean {tuple(clean.shape)}, noisy {tuple(noisy.shape)}, sigma {tuple(sigma.shape)} "
+                             f"and cond ({len(cond)} streams) must describe the same [B, K] blocks")
+        if cond.segments.shape[1] != K:
+            raise ValueError(f"cond lays out {cond.segments.shape[1]} blocks per stream, the input has {K}")
+        c = self.config
+        bf = c.block_frames
+        frames = K * bf
+        video = torch.cat([self.join_chunks(clean), self.join_chunks(noisy)], dim=2)  # clean frames, then noisy
+        t_noisy = (sigma.to(video.device, torch.float32).double() * 1000.0).float().repeat_interleave(bf, dim=1)
+        t_all = torch.cat([torch.zeros_like(t_noisy), t_noisy], dim=1)                # [B, 2·K·bf]
+        text = cond.text.flatten(1, 2)                                                # [B, P·L, D]
+        prompt_tokens = cond.text.shape[2]
+        layouts: dict[tuple, list[int]] = {}
+        runs_of = []
+        for row in range(B):
+            runs = self.forcing_runs(cond.segments[row].tolist())
+            runs_of.append(runs)
+            layouts.setdefault(tuple((r.clean, r.blocks) for r in runs), []).append(row)
+        out = video.new_zeros((B, video.shape[1], frames, *video.shape[3:]), dtype=torch.float32)
+        for layout, rows in layouts.items():
+            source, positions, masks = [], [], []
+            for clean_pos, blocks in layout:
+                noisy_pos = list(range(blocks[0] * bf, (blocks[-1] + 1) * bf))
+                source += list(clean_pos) + [frames + p for p in noisy_pos]
+                positions += list(clean_pos) + noisy_pos
+                masks.append(teacher_forcing_mask(list(clean_pos), bf, sink_frames=c.sink_frames,
+                                                  window_frames=c.window_frames, noisy=noisy_pos))
+            mask = torch.block_diag(*masks)
+            text_frames = []
+            for row in rows:
+                seg = cond.segments[row].tolist()
+                per = []
+                for run in runs_of[row]:
+                    per += list(run.clean_text) + [seg[p // bf] for p in range(run.blocks[0] * bf,
+                                                                                (run.blocks[-1] + 1) * bf)]
+                text_frames.append(per)
+            idx = torch.tensor(rows, dtype=torch.long, device=video.device)
+            src = torch.tensor(source, dtype=torch.long, device=video.device)
+            v = self.wan.full(video[idx][:, :, src], t_all[idx][:, src], text[idx.to(text.device)],
+                              mask=mask, frame_positions=positions, text_frames=torch.tensor(text_frames),
+                              prompt_tokens=prompt_tokens, module=transformer)
+            # the runs take the blocks in order, so the noisy frames of the sequence are frames 0 … K·bf−1 in order
+            out[idx] = v[:, :, src >= frames].float()
+        return torch.stack(out.split(bf, dim=2), dim=1)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Video latents ``[B, C, F, h, w]`` → ``[B, T, 3, H, W]`` in [0, 1]."""
