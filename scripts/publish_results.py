@@ -888,9 +888,9 @@ def check() -> list[str]:
 
 MEASURED_PAGES = ("results.md", "performance.md")  # pages about measurements: every section of them is measured
 UNRECORDED = re.compile(r"not\s+(?:a\s+)?recorded\s+measurements?", re.I)
-# A setting, not a result: the number right after a Greek-letter hyperparameter, ``a``, ``lr``, ``ratio`` or ``CFG``
-# (with or without ``=``), or after ``×`` (a batch shape), ``≥`` or ``≤`` (a threshold).
-SETTING = re.compile(r"(?:(?<!\w)(?:[βγσκτε]|a|CFG|lr|ratio)\s*=?|[×≥≤])\s*$")
+# A setting, not a result: the number right after a Greek-letter hyperparameter, ``a``, ``lr``, ``ratio``, ``CFG`` or
+# ``guidance`` (with or without ``=``), or after ``×`` (a batch shape), ``≥`` or ``≤`` (a threshold).
+SETTING = re.compile(r"(?:(?<!\w)(?:[βγσκτε]|a|CFG|guidance|lr|ratio)\s*=?|[×≥≤])\s*$")
 # Numbers in measured sections that are not run results (sizes, versions, clip ranges), as written in the page.
 NOT_RESULTS = {
     "streaming-video.md": ["[0.9, 1.2]", "287.5 MB", "±2.5"],

@@ -135,8 +135,8 @@ def test_every_number_in_a_measured_section_is_pinned_to_the_json_it_cites():
       of docs/results.md and docs/performance.md, and a "Measured here" section with its subsections.
     * In a measured section, every decimal number (digits, a point, digits; a sign and a ``%`` are part of it) is
       covered, except inside generated blocks, HTML comments, code (fenced or inline), link targets and arXiv ids, and
-      except a setting: the number right after a Greek-letter hyperparameter, ``a``, ``lr``, ``ratio`` or ``CFG``
-      (``β 0.04``, ``a = 0.7``, ``CFG 4.5``), after ``×`` (a batch shape), ``≥`` or ``≤`` (a threshold), or one of
+      except a setting: the number right after a Greek-letter hyperparameter, ``a``, ``lr``, ``ratio``, ``CFG`` or
+      ``guidance`` (``β 0.04``, ``a = 0.7``, ``CFG 4.5``), after ``×`` (a batch shape), ``≥`` or ``≤`` (a threshold), or one of
       the page's literals in ``publish_results.NOT_RESULTS`` (sizes, versions, clip ranges, the video target).
     * A covered number is checked against the results JSON files its paragraph (list item, or a table's preceding
       paragraph) links, else those its section links. It must be *pinned*: tests/data/cited_numbers.json names, for
