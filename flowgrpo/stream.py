@@ -14,7 +14,8 @@ composes ``conf/model/NAME.yaml``, a streaming model's preset (``model.family=ca
 :func:`~flowgrpo.models.load_stream_pipeline`; frame count and size then default to the preset's. The prompts are
 the segments in order; ``--switch`` gives the pixel frame where each segment after the first starts. Or take a
 stream's prompts and switch frames from a metadata file of the moving-shapes world (``--metadata``, one JSON stream
-per line, ``--index`` picks the line), and with ``--score`` print the long-video rewards of the result against it.
+per line, ``--index`` picks the line), and with ``--score`` print the long-video rewards of the result against it
+(and ``scored_by``: the reward's rules and version).
 
 Writes ``<out>/stream.mp4`` (``--fps``) and ``<out>/stream.png``: one row per segment, up to ``--strip-frames``
 evenly spaced frames of it, labelled with the segment's prompt and frame range. Prints a JSON summary.
@@ -182,7 +183,9 @@ def main(argv=None) -> dict:
     if args.score:
         import rewards
 
-        result = rewards.load("long_video")(out.videos.cpu(), [metadata["prompt"]], [metadata])
+        judge = rewards.load("long_video")
+        result = judge(out.videos.cpu(), [metadata["prompt"]], [metadata])
+        summary["scored_by"] = judge.describe()
         summary["rewards"] = {k: round(float(v[0]), 4) for k, v in result.components.items()}
         summary["reward"] = round(float(result.scores[0]), 4)
     print(json.dumps(summary, indent=2))

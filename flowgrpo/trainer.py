@@ -301,9 +301,14 @@ class Trainer:
             self.batch.banner(),
             f"algorithm: {self.algorithm.describe()}",
             f"trainable: {n_train:,} of {n_all:,} transformer parameters ({self.cfg.model.finetune}); "
-            f"reward: {self.cfg.reward.name}; train prompts {len(self.train_set)}, held-out "
+            f"reward: {self.reward_label()}; train prompts {len(self.train_set)}, held-out "
             f"{len(self.test_set) if self.test_set else 0}; output: {self.out}",
         ])
+
+    def reward_label(self) -> str:
+        """The reward's config name, or its own ``describe()`` line (name, version, settings) when it has one."""
+        describe = getattr(self.reward, "describe", None)
+        return describe() if callable(describe) else str(self.cfg.reward.name)
 
     # ------------------------------------------------------------------ velocity
     def _velocity_fn(self, cond, *, guidance: dict | None = None):
@@ -679,6 +684,8 @@ class Trainer:
                 "jobs": [list(j) for j in jobs], "eval_seed": self.cfg.trainer.eval_seed,
                 "sigmas": self.sampler.eval_sigmas.tolist(), "batch": self.batch.rollout_batch_per_process,
                 "mixed_precision": self.cfg.trainer.mixed_precision}
+        if getattr(self.reward, "version", None) is not None:  # the same config under other rules scores otherwise
+            what["reward_version"] = self.reward.version
         return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def held_out_samples(self, jobs: list, on_batch=None) -> EvalSamples:

@@ -8,6 +8,11 @@ trainer refuses a video reward with an image model (and the reverse) before load
 (:func:`flowgrpo.build.check_reward_model`, which reads ``video_*`` names as video and the rest as image when the
 attribute is absent).
 
+A reward whose rules may change declares ``version`` (an int, raised whenever the same input would score
+differently) and ``describe()`` (one line: its name, version and settings, e.g. ``long_video v2 (score=mean)``):
+the trainer's log names it and keys held-out evaluations by it (``Trainer.held_out_key``), and evaluation scripts
+write it next to their numbers (``scored_by``), so a result says which rules scored it.
+
 Bad samples, the same way in every reward:
 
 - **NaN / inf pixels raise** ``ValueError`` naming the reward and the batch indices (a diverged model decodes to

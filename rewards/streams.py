@@ -18,69 +18,95 @@ each with a ``motion``; consecutive segments ask different motions (:func:`asks_
 (``one_object_stream`` / ``two_object_stream``) and ``prompt`` (the segment prompts joined, for display) are
 optional. :func:`validate_stream_metadata` checks all of this and names the offending key.
 
-How a stream of ``T`` frames is judged (every frame's detections come from the ``video_geneval`` detector,
-``shapes`` by default; speeds and distances are in px (per frame) at 64 px, measured ones divided by
-``sqrt(H W) / 64``):
+How a stream of ``T`` frames is judged -- version 2 of the rules (:data:`VERSION`; what changed since version 1
+is at the end). Every frame's detections come from the ``video_geneval`` detector, ``shapes`` by default; speeds
+and distances are in px (per frame) at 64 px, measured ones divided by ``sqrt(H W) / 64``.
 
-- **Object trajectories.** Each object is followed by its class and colour: per frame, the detections of its class
-  and colour above ``threshold`` (0.3); the one nearest to the object's predicted position (last position plus last
-  velocity) is its centroid in that frame, the best-scoring one before the object was first seen. Frames without
-  such a detection are gaps.
+- **Object trajectories** (:meth:`LongVideoReward.track`): the stream's objects are followed together, frame by
+  frame. Each object predicts its place (last position plus its velocity over its last ``velocity_frames`` = 4
+  sightings) and takes a detection *of its colour*: the nearest one within ``match_radius`` (8 px, the
+  ``video_geneval`` linking radius; plus ``gap_radius`` = 2 px per frame it has been unseen) of the prediction,
+  whatever its class or score (a merged, cut or smeared blob still says where the object is; a wrong class costs
+  4 px more distance, a score under the threshold 2 px), else a confident one (its class and colour, score above
+  ``threshold`` = 0.3) anywhere: where the object is first seen (the best-scoring one) or where it jumped (its
+  velocity starts afresh). Detections go to objects cheapest first, one object each. Its position is the
+  detection's centroid weighted by the coverage of its colour over its mask grown by 2 px (sub-pixel, where a
+  binary mask's centroid moves in steps; ``soft_centroids=False`` uses the mask's centroid). An object not seen
+  with its class -- unseen, or a sliver read as another class -- is *hidden* in a frame where it lies on or
+  against another object's detection (its predicted place within 2 px of that mask, or its own mask touching
+  it): two objects that touch or overlap are followed through it, and neither jumps nor swaps. Hidden frames
+  count as seen for identity and are left out of every motion and consistency rule (a sliver says little about
+  where the object is).
 - **Judged frames of a segment**: its frames, minus the first ``grace`` (4: one latent frame of the video VAE)
   after a switch, where a model may still be turning; the first segment has no grace.
+- **Per object, then the mean over objects** for every motion and identity rule: a two-object stream with one
+  object right earns half.
 
 Components of the :class:`~rewards.RewardOutput` (``[B]`` float32; the eight *scored* components are in [0, 1],
 1 = as asked):
 
 =================  ================================================================================================
-``adherence``      prompt adherence: per segment, ``video_geneval``'s partial credit (object, colour, identity,
-                   motion / speed / still checks) on the segment's judged frames with the segment's metadata;
-                   mean over segments. ``segments_strict``: the fraction of segments whose verdict is strict.
-``direction``      motion word per segment and object, from the velocity fitted to its centroids on the judged
-                   frames (least squares, one outlier-free refit: :func:`~rewards.geneval.video.fit_velocity`):
-                   a direction earns ``max(0, cos(angle to it)) * min(1, speed / moving_speed)`` (moving_speed
-                   0.5 px/frame); ``still`` earns 1 below ``still_speed`` (0.3), falling linearly to 0 at
-                   ``moving_speed``; an unseen object earns 0. A segment's credit is its worst object's (the
-                   segment moves as asked when every object does); mean over segments.
-``speed``          the same velocities against the asked speed band: ``slowly`` 0.5-1.8, ``quickly`` >= 2.2
-                   (``video_geneval``'s bands), an unnamed speed ``unnamed_speed`` = 0.5-3.5 (the world's 1-3 with
-                   0.5 of margin), ``still`` 0-0.3; 1 inside, falling linearly to 0 at ``speed_margin`` (0.5
-                   px/frame) outside. Worst object per segment, mean over segments.
-``identity``       identity persistence: per object, the fraction of the ``T`` frames in which its class and colour
-                   are seen, over ``identity_fraction`` (0.9), capped at 1. An object that changes colour or class
-                   mid-stream (or vanishes) is no longer seen from then on.
-``teleport``       no teleport: per object, its largest centroid jump between consecutive sightings (divided by
-                   the frames between them); 1 up to ``jump_ok`` (5 px/frame, the world's fastest motion is 3),
-                   falling linearly to 0 at ``jump_bad`` (10).
-``smoothness``     per object, the mean norm of the second differences of its centroids (px/frame^2) over frames
-                   seen three in a row, leaving out the turns the prompt asks for (from the frame before each
-                   switch to the end of its grace); 1 up to ``jerk_ok`` (1.0), falling linearly to 0 at
-                   ``jerk_bad`` (2.0). A piecewise-linear path scores 1 (rendered streams: at most 0.75, the
-                   centroid of a pixel mask moving a fraction of a pixel per frame jitters); a jittering or
-                   teleporting one does not. For these three a stream is as good as its worst object.
-``recovery``       switch recovery: per switch at frame ``s``, the latency ``L`` in frames until the new motion
-                   holds: windows of ``recovery_window`` (5) frames start at ``s - 1, s, ...`` (the step into
-                   frame ``s`` is the new segment's); ``L`` counts the windows before the first of
-                   ``recovery_hold`` (4) in a row whose fitted velocity moves as the new segment asks (in the
-                   ``speed`` band and within ``recovery_tolerance`` = 20 degrees of the direction, or below
-                   ``still_speed``); worst object of the switch. Credit ``max(0, 1 - L / recovery_horizon)``
-                   (horizon 8 frames), 0 when it never holds. A window with one step of the old motion in four
-                   already holds (a right-angle turn one step late bends the fit by 14 degrees), so a stream that
-                   turns ``d`` frames late measures ``L = d - 1`` (one frame late counts as on time). Mean over
-                   switches (1 for a stream without one).
-``anti_freeze``    over the consecutive frame pairs whose later frame lies in a segment that asks some object to
-                   move (leaving out each switch's grace), the fraction in which the frame changed: at least
-                   ``freeze_pixels`` (6, at 64 x 64) pixels differ by more than ``freeze_level`` (24 of 255) in some
-                   channel. A stream that stops where it should move scores the share of its motion it still shows.
-                   Pixels, not tracks: a stream whose objects cannot be followed is still judged. (The role of
-                   VBench's dynamic degree, arXiv 2311.17982: consistency alone is won by a frozen video.)
+``direction``      per segment and object, the velocity fitted to its positions on the judged frames (least
+                   squares, one outlier-free refit: :func:`~rewards.geneval.video.fit_velocity`): a direction earns
+                   ``max(0, cos(angle to it))`` times how much the speed counts as moving -- 0 up to
+                   ``still_speed`` (0.3), 1 from ``moving_speed`` (0.5), linear between; ``still`` earns the
+                   complement (1 below 0.3, 0 from 0.5); an unseen object earns 0. Mean over objects, then over
+                   segments. A stream that does not move earns nothing for a segment that asks motion.
+``speed``          the same velocities: for a direction, the speed *along* it against the asked band -- ``slowly``
+                   0.5-1.8, ``quickly`` >= 2.2 (``video_geneval``'s bands), an unnamed speed ``unnamed_speed`` =
+                   0.5-3.5 (the world's 1-3 with 0.5 of margin) -- 1 inside, falling linearly to 0 at
+                   ``speed_margin`` (0.5 px/frame) outside, and 0 below ``still_speed`` along it (standing still,
+                   or moving another way); for ``still``, the speed against 0-0.3. Mean over objects and segments.
+``adherence``      per segment, what is shown -- ``video_geneval``'s frame checks of the segment's metadata on its
+                   judged frames (``object``: its classes seen; ``color``: in their colours), each object followed
+                   (seen with its class and colour, or hidden) on ``track_fraction`` (0.8) of the judged frames,
+                   and the ``speed`` credit of objects whose prompt names a speed word -- as the mean of those
+                   credits, *times the segment's* ``direction`` credit: a segment moving the wrong way, or not at
+                   all, has little adherence (a static segment's gate is standing still). Mean over segments.
+                   ``segments_strict``: the fraction of segments where every one holds fully (each object within
+                   ``direction_tolerance`` = 45 degrees of its direction at ``>= moving_speed``, below
+                   ``still_speed`` for ``still``, inside its named speed band).
+``identity``       per object, the frames in which it is seen with its class and colour, or hidden, over
+                   ``identity_fraction`` (0.9) of the ``T`` frames, capped at 1; mean over objects. An object
+                   that changes colour (or vanishes) is no longer seen from then on; one that changes class is
+                   followed, but no longer seen with its class.
+``teleport``       no teleport: every object's steps between consecutive sightings (distance over the frames
+                   between them) are graded 0 up to ``jump_ok`` (5 px/frame, the world's fastest motion is 3) and 1
+                   from ``jump_bad`` (10); the credit is ``1 - (mean grade) / teleport_fraction`` (0.1), floored at
+                   0 -- one full jump in 48 steps costs 0.21, a jump in every tenth step everything. Pooled over
+                   the objects' steps (an object seen longer weighs more; an object never seen is identity's to
+                   judge); 0 when no object is seen twice.
+``smoothness``     likewise for every object's second differences (px/frame^2) over frames seen three in a row,
+                   leaving out the turns the prompt asks for (from the frame before each switch to the end of its
+                   grace): graded 0 up to ``jerk_ok`` (1.0), 1 from ``jerk_bad`` (2.0); credit ``1 - (mean grade)
+                   / smooth_fraction`` (0.5). A rendered stream's second differences stay under 0.1; an object
+                   jittering in place, or moving in steps, has most of its frames rough.
+``recovery``       per switch at frame ``s`` and object, the latency ``L`` in frames until the new motion holds:
+                   windows of ``recovery_window`` (5) frames start at ``s - 1, s, ...`` (the step into frame ``s``
+                   is the new segment's); ``L`` counts the windows before the first of ``recovery_hold`` (4) in a
+                   row whose least-squares velocity moves as the new segment asks (in the ``speed`` band and within
+                   ``recovery_tolerance`` = 20 degrees of the direction, or below ``still_speed``). Credit
+                   ``max(0, 1 - L / recovery_horizon)`` (horizon 8 frames), 0 when it never holds, *times* the
+                   ``direction`` credit of the old motion on the window just before the switch (frames ``s - 5``
+                   to ``s - 1``): a switch is only recovered from a motion that was shown, so a frozen stream earns
+                   none. A window with one step of the old motion in four already holds (a right-angle turn one step
+                   late bends the fit by about 16 degrees), so a stream that turns ``d`` frames late measures ``L =
+                   d - 1``. Mean over objects, then over switches (1 for a stream without one).
+``anti_freeze``    per object, over the judged frames of the segments that ask it to move, the fraction in which it
+                   moves: its step into the frame is at least ``still_speed``, and so is its velocity fitted over
+                   ``freeze_window`` (7) frames of the segment around it (a jitter in place has steps but no
+                   velocity; an object moving in jumps has a velocity but mostly no steps); unseen is not moving.
+                   Mean over the objects asked to move somewhere (1 when none is). The tracked objects' motion,
+                   not pixel change anywhere: a flickering patch or noise on a frozen frame moves no object. (The
+                   role of VBench's dynamic degree, arXiv 2311.17982: consistency alone is won by a frozen video.)
 =================  ================================================================================================
 
 Also: ``consistency`` (mean of ``identity``, ``teleport``, ``smoothness``); per segment ``k < 4``,
 ``segment<k>/adherence``, ``segment<k>/direction``, ``segment<k>/speed`` and ``segment<k>/recovery`` (the switch into
 segment k; NaN for segment 0), NaN where the stream has fewer segments; and measurements that are not scores:
-``recovery_frames`` (mean latency over switches, the segment's length when never recovered; NaN without a switch),
-``max_jump_px`` (largest jump, px/frame) and ``jerk_px`` (mean second-difference norm over the objects).
+``recovery_frames`` (mean over switches of the latency of the slowest object, the segment's length when one never
+recovered; NaN without a switch), ``max_jump_px`` (largest step, px/frame) and ``jerk_px`` (mean second-difference
+norm over the objects).
 
 ``scores`` is the weighted mean of the eight scored components (``weights``, all 1 by default: prompt adherence
 counts three times -- ``adherence``, ``direction``, ``speed`` -- temporal consistency three times, switching and
@@ -91,12 +117,25 @@ A degenerate stream (every frame uniform or pure noise: :func:`rewards.images.de
 component (measurements NaN); streams holding NaN or inf raise ``ValueError`` naming them, as every video reward
 does. A stream's frame count must equal its metadata's ``num_frames``.
 
-Measured on rendered streams of the held-out prompts (``tests/test_stream_rewards.py``; 30 positives, 10 negatives
-per kind): positives score 1.00, clean or blurred (Gaussian, sigma 1 px); the highest-scoring negative of each kind:
-a wrong direction in one segment 0.965, a switch taken 8 frames late 0.96, a switch ignored 0.92, an object changing
-class 0.92 or colour 0.77 mid-stream, a teleport 0.875, motion frozen after a switch 0.83, a frozen stream 0.65 --
-each with the component that judges it low (the test states the margins). An error in one segment of a four-segment
-stream costs that segment's share of the mean: pick ``score=`` or ``weights=`` to weigh one failure more.
+Measured on rendered streams of the held-out prompts (``tests/test_stream_rewards.py``): positives score 1.00, clean
+or blurred (Gaussian, sigma 1 px); negatives of every kind score clearly lower, each with the component that judges
+it low; and a ladder holds on every stream tried, one object and two: the stream as asked (1.00) > every motion at
+a wrong speed > in a wrong direction > frozen > black or noise (0). Streams made to game the rules -- a flickering
+patch or noise on a frozen frame, a jitter or blink in place, a teleport to the right place at every switch,
+every motion reversed, an oscillation, steps instead of motion -- score no higher than the honest stream each
+imitates (frozen, a wrong direction, or below the stream as asked).
+
+**Version 2** (the rules above) against version 1: motion-dependent credit needs the motion -- adherence is gated
+by the direction (version 1: ``video_geneval``'s partial credit, so a frozen stream kept about three quarters of
+it), the speed is measured along the asked direction (a reversed stream kept its speed credit), a speed under
+``still_speed`` earns no direction (version 1: ``min(1, speed / moving_speed)``) and a switch counts only after
+the old motion was shown; ``anti_freeze`` follows the tracked objects (version 1: any 6 pixels changing, which a
+flickering patch won); ``teleport`` and ``smoothness`` are fractions of steps and frames (version 1: the largest
+jump, and the mean second difference, so one frame decided them); the objects are followed together by colour
+and predicted place with gaps allowed while merged and sub-pixel centroids (version 1: each by class and colour
+separately, the nearest detection however far, so merged blobs read as jumps); and objects are averaged (version
+1: the worst object, so a two-object stream scored 0 on direction, speed and recovery unless both objects were
+right).
 """
 
 from __future__ import annotations
@@ -108,20 +147,25 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
+from scipy import ndimage
+
 from .base import RewardOutput, register
 from .geneval.rules import Detection
+from .geneval.shapes import PALETTE
 from .geneval.video import DIRECTIONS, VideoGenEval, VideoVerdict, _centroid, fit_velocity, validate_video_metadata
 from .images import degenerate
 from .video import to_video
 
 __all__ = [
     "COMPONENTS",
+    "VERSION",
     "NAMES",
     "SEGMENT_COMPONENTS",
     "STREAM_SEGMENT_TAGS",
     "STREAM_TAGS",
     "LongVideoReward",
     "StreamVerdict",
+    "Tracks",
     "asks_differ",
     "segment_asks",
     "segment_bounds",
@@ -133,6 +177,8 @@ STREAM_TAGS: tuple[str, ...] = ("one_object_stream", "two_object_stream")
 #: the scored components, in [0, 1]; ``scores`` is their weighted mean (module doc)
 COMPONENTS: tuple[str, ...] = ("adherence", "direction", "speed", "identity", "teleport", "smoothness", "recovery",
                                "anti_freeze")
+#: the rules' version: 1 until the motion-gated rules, tracker and robust statistics of version 2 (module doc)
+VERSION = 2
 SEGMENT_COMPONENTS = 4  # segment<k>/<name> for k < 4 (the world's streams have at most 3 switches)
 PER_SEGMENT: tuple[str, ...] = ("adherence", "direction", "speed", "recovery")
 MEASUREMENTS: tuple[str, ...] = ("recovery_frames", "max_jump_px", "jerk_px")
@@ -258,6 +304,84 @@ def _ramp(x: float, ok: float, bad: float) -> float:
     return float(min(1.0, max(0.0, (bad - x) / (bad - ok))))
 
 
+@dataclass
+class Tracks:
+    """The objects of one stream followed through its frames (:meth:`LongVideoReward.track`): ``positions``
+    ``[J, T, 2]`` centroids in px (NaN where unseen), ``right`` ``[J, T]`` (seen with its class and colour above the
+    detection threshold) and ``hidden`` ``[J, T]`` (not seen with its class while on or against another object's
+    detection: hidden by it or merged with it, module doc)."""
+
+    positions: np.ndarray
+    right: np.ndarray
+    hidden: np.ndarray
+
+
+def _window_fits(u: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Least-squares velocities of the seen points of ``u`` (``[T, 2]``, NaN where unseen) over the frame windows
+    ``[lo_i, hi_i)``, all at once: ``([N, 2] velocities, [N] points per window)`` (0 where fewer than 2 points)."""
+    seen = ~np.isnan(u[:, 0])
+    t = np.arange(len(u), dtype=np.float64)
+    m = seen.astype(np.float64)
+    x, y = np.where(seen, u[:, 0], 0.0), np.where(seen, u[:, 1], 0.0)
+    sums = np.vstack([np.zeros(7), np.cumsum(np.stack([m, t * m, t * t * m, x, y, t * x, t * y], 1), axis=0)])
+    n, st, stt, sx, sy, stx, sty = (sums[np.asarray(hi)] - sums[np.asarray(lo)]).T
+    den = n * stt - st * st
+    safe = np.where(den > 1e-9, den, 1.0)
+    v = np.stack([(n * stx - st * sx) / safe, (n * sty - st * sy) / safe], 1)
+    return np.where((den > 1e-9)[:, None], v, 0.0), n.astype(int)
+
+
+_WHITE = np.array([255.0, 255.0, 255.0])
+_INKS = np.array(list(PALETTE.values()), dtype=np.float64) - _WHITE  # [K, 3]: white -> each palette colour
+_INK_NORMS = (_INKS * _INKS).sum(1)
+_INK_INDEX = {name: k for k, name in enumerate(PALETTE)}
+
+
+def _soft_centroid(frame: np.ndarray, det: Detection, color: str) -> np.ndarray:
+    """The centroid of a detection weighted by its colour's coverage (white blended with the colour, as the
+    ``shapes`` detector explains pixels) over its mask grown by 2 px, on the pixels best explained by that colour:
+    sub-pixel, where a binary mask's centroid moves in steps. The mask centroid for a colour outside the palette
+    or a detection without a mask."""
+    if color not in PALETTE or det.mask is None or not det.mask.any():
+        return np.asarray(_centroid(det))
+    h, w = det.mask.shape
+    x1, y1, x2, y2 = det.box[:4]
+    i0, i1 = max(int(y1) - 3, 0), min(int(math.ceil(y2)) + 3, h)
+    j0, j1 = max(int(x1) - 3, 0), min(int(math.ceil(x2)) + 3, w)
+    pix = frame[i0:i1, j0:j1].astype(np.float64) - _WHITE  # [h, w, 3]
+    proj = pix @ _INKS.T / _INK_NORMS  # [h, w, K]: coverage of each colour before clipping
+    alpha = np.clip(proj, 0.0, 1.0)
+    # squared distance to the segment white -> colour: |p|^2 - 2 a (p . c) + a^2 |c|^2 with p . c = proj |c|^2
+    resid = alpha * (alpha - 2.0 * proj) * _INK_NORMS
+    k = _INK_INDEX[color]
+    region = ndimage.binary_dilation(det.mask[i0:i1, j0:j1], iterations=2)
+    weight = alpha[..., k] * (resid.argmin(-1) == k) * region
+    total = weight.sum()
+    if total < 1.0:
+        return np.asarray(_centroid(det))
+    yy, xx = np.mgrid[i0:i1, j0:j1]
+    return np.array([(weight * (xx + 0.5)).sum() / total, (weight * (yy + 0.5)).sum() / total])
+
+
+def _grown(det: Detection, pixels: int) -> np.ndarray:
+    return ndimage.binary_dilation(det.mask, iterations=pixels)
+
+
+def _covers(det: Detection, x: float, y: float, pad: float) -> bool:
+    """Whether the point ``(x, y)`` (px) lies on the detection's mask grown by ``pad`` px (its box without a mask)."""
+    if det.mask is None:
+        x1, y1, x2, y2 = det.box[:4]
+        return x1 - pad <= x <= x2 + pad and y1 - pad <= y <= y2 + pad
+    h, w = det.mask.shape
+    i, j = int(math.floor(y)), int(math.floor(x))
+    r = int(math.ceil(pad))
+    window = det.mask[max(0, i - r): i + r + 1, max(0, j - r): j + r + 1]
+    if not window.any():
+        return False
+    ys, xs = np.nonzero(window)
+    return bool((np.hypot(xs + max(0, j - r) + 0.5 - x, ys + max(0, i - r) + 0.5 - y) <= pad + 0.5).any())
+
+
 @register("long_video")
 class LongVideoReward:
     """Long streaming moving-shapes clips with prompt switches: ``reward(videos, prompts, metadata) ->
@@ -269,14 +393,16 @@ class LongVideoReward:
         weights: ``{component: weight}`` for ``score="mean"``; missing components weigh 1.
         grace: frames after a switch left out of the per-segment judgements.
         identity_fraction: share of frames an object must be seen in for full ``identity`` credit.
-        jump_ok, jump_bad: ``teleport`` ramp (px/frame at 64 px).
-        jerk_ok, jerk_bad: ``smoothness`` ramp (px/frame^2 at 64 px).
+        jump_ok, jump_bad: a step's ``teleport`` grade goes from 0 to 1 between them (px/frame at 64 px).
+        jerk_ok, jerk_bad: a frame's ``smoothness`` grade goes from 0 to 1 between them (px/frame^2 at 64 px).
+        teleport_fraction, smooth_fraction: the mean grade at which ``teleport`` / ``smoothness`` reach 0.
         recovery_window, recovery_hold, recovery_horizon: ``recovery`` (frames).
         recovery_tolerance: largest angle (degrees) between a window's velocity and the asked direction.
         speed_margin: px/frame outside a speed band over which ``speed`` credit falls to 0.
         unnamed_speed: the band of a direction without a speed word (px/frame).
-        freeze_level, freeze_pixels: what counts as a changed frame for ``anti_freeze`` (grey levels of 255;
-            pixels at 64 x 64, scaled with the frame area).
+        freeze_window: frames of the velocity fit that tells ``anti_freeze`` an object moves.
+        gap_radius, velocity_frames, soft_centroids: the tracker (module doc): px/frame the search radius grows
+            while an object is unseen, sightings its predicted velocity spans, coverage-weighted centroids.
         **geneval_kwargs: passed to :class:`~rewards.geneval.VideoGenEval` (its thresholds: ``moving_speed``,
             ``still_speed``, ``direction_tolerance``, ``speed_bands``, ``threshold``, ... -- shared by the
             ``direction``, ``speed`` and ``recovery`` rules here), and detector kwargs.
@@ -298,6 +424,8 @@ class LongVideoReward:
     """
 
     modality = "video"  # scores clips [B, T, 3, H, W]: a trainer refuses it with an image model
+    name = "long_video"
+    version = VERSION  # raised whenever the same stream scores differently; results record it
 
     def __init__(
         self,
@@ -317,8 +445,12 @@ class LongVideoReward:
         recovery_tolerance: float = 20.0,
         speed_margin: float = 0.5,
         unnamed_speed: Sequence[float] = (0.5, 3.5),
-        freeze_level: float = 24.0,
-        freeze_pixels: float = 6.0,
+        teleport_fraction: float = 0.1,
+        smooth_fraction: float = 0.5,
+        freeze_window: int = 7,
+        gap_radius: float = 2.0,
+        velocity_frames: int = 4,
+        soft_centroids: bool = True,
         **geneval_kwargs,
     ):
         if score != "mean" and score not in COMPONENTS:
@@ -330,10 +462,12 @@ class LongVideoReward:
         if any(w < 0 for w in self.weights.values()) or sum(self.weights.values()) <= 0:
             raise ValueError(f"long_video weights must be >= 0 with a positive sum, got {self.weights}")
         for name, value in (("grace", grace), ("recovery_window", recovery_window - 2),
-                            ("recovery_hold", recovery_hold - 1), ("recovery_horizon", recovery_horizon - 1)):
+                            ("recovery_hold", recovery_hold - 1), ("recovery_horizon", recovery_horizon - 1),
+                            ("freeze_window", freeze_window - 3), ("velocity_frames", velocity_frames - 2)):
             if int(value) != value or value < 0:
                 raise ValueError(f"long_video {name} is too small or not an int (grace >= 0, recovery_window >= 2, "
-                                 f"recovery_hold >= 1, recovery_horizon >= 1)")
+                                 f"recovery_hold >= 1, recovery_horizon >= 1, freeze_window >= 3, "
+                                 f"velocity_frames >= 2)")
         for name, (ok, bad) in (("jump_ok/jump_bad", (jump_ok, jump_bad)), ("jerk_ok/jerk_bad", (jerk_ok, jerk_bad))):
             if not 0 <= ok < bad:
                 raise ValueError(f"long_video {name} must satisfy 0 <= ok < bad, got {ok}, {bad}")
@@ -343,6 +477,11 @@ class LongVideoReward:
             raise ValueError(f"long_video unnamed_speed must be [lo, hi] with 0 <= lo < hi, got {unnamed_speed!r}")
         if speed_margin <= 0:
             raise ValueError(f"long_video speed_margin={speed_margin} must be > 0")
+        for name, value in (("teleport_fraction", teleport_fraction), ("smooth_fraction", smooth_fraction)):
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"long_video {name}={value} must be in (0, 1]")
+        if gap_radius < 0:
+            raise ValueError(f"long_video gap_radius={gap_radius} must be >= 0")
         self.geneval = VideoGenEval(detector, score="partial", **geneval_kwargs)
         self.score = score
         self.grace = int(grace)
@@ -355,8 +494,19 @@ class LongVideoReward:
         self.recovery_tolerance = float(recovery_tolerance)
         self.speed_margin = float(speed_margin)
         self.unnamed_speed = (float(unnamed_speed[0]), float(unnamed_speed[1]))
-        self.freeze_level = float(freeze_level)
-        self.freeze_pixels = float(freeze_pixels)
+        self.teleport_fraction = float(teleport_fraction)
+        self.smooth_fraction = float(smooth_fraction)
+        self.freeze_window = int(freeze_window)
+        self.match_radius = float(self.geneval.match_radius)
+        self.gap_radius = float(gap_radius)
+        self.velocity_frames = int(velocity_frames)
+        self.soft_centroids = bool(soft_centroids)
+
+    def describe(self) -> str:
+        """One line naming the reward, its version and the training scalar, e.g. ``long_video v2 (score=mean)``."""
+        weights = {n: w for n, w in self.weights.items() if w != 1.0}
+        what = f"score={self.score}" + (f", weights={weights}" if weights and self.score == "mean" else "")
+        return f"{self.name} v{self.version} ({what})"
 
     # ------------------------------------------------------------------------------------------------ checks
 
@@ -374,19 +524,34 @@ class LongVideoReward:
             return self.geneval.speed_bands[speed]
         return self.unnamed_speed
 
-    def _direction_credit(self, v: tuple[float, float], motion: str) -> float:
-        s = math.hypot(*v)
+    def _moving(self, s: float) -> float:
+        """How much a speed ``s`` (px/frame) counts as moving: 0 up to ``still_speed``, 1 from ``moving_speed``."""
         moving, still = self.geneval.moving_speed, self.geneval.still_speed
+        return 1.0 - _ramp(s, still, moving) if moving > still else float(s >= moving)
+
+    def _direction_credit(self, v: tuple[float, float], motion: str) -> float:
+        """Moving as asked: ``max(0, cos(angle to the direction))``, times how much the speed counts as moving
+        (:meth:`_moving`); ``still``: 1 below ``still_speed``, falling to 0 at ``moving_speed``."""
+        s = math.hypot(*v)
         if motion == "still":
-            return _ramp(s, still, moving) if moving > still else float(s <= still)
+            return 1.0 - self._moving(s)
         if s == 0:
             return 0.0
         ux, uy = DIRECTIONS[motion]
-        return max(0.0, (v[0] * ux + v[1] * uy) / s) * (min(1.0, s / moving) if moving > 0 else 1.0)
+        return max(0.0, (v[0] * ux + v[1] * uy) / s) * self._moving(s)
 
     def _speed_credit(self, v: tuple[float, float], motion: str, speed: str | None) -> float:
-        s = math.hypot(*v)
+        """The speed *along the asked direction* (the speed for ``still``) against the asked band, 1 inside and
+        falling to 0 at ``speed_margin`` outside; a direction's credit is 0 when the object moves less than
+        ``still_speed`` along it (the wrong way, or not at all)."""
         lo, hi = self._band(motion, speed)
+        if motion == "still":
+            s = math.hypot(*v)
+        else:
+            ux, uy = DIRECTIONS[motion]
+            s = v[0] * ux + v[1] * uy
+            if s < self.geneval.still_speed:
+                return 0.0
         off = max(lo - s, s - hi, 0.0)
         return max(0.0, 1.0 - off / self.speed_margin)
 
@@ -403,6 +568,19 @@ class LongVideoReward:
             return False
         ux, uy = DIRECTIONS[motion]
         return (v[0] * ux + v[1] * uy) / s >= math.cos(math.radians(self.recovery_tolerance)) - 1e-12
+
+    def _as_asked(self, v: tuple[float, float], motion: str, speed: str | None) -> bool:
+        """``video_geneval``'s verdict on one object's velocity: ``still`` below ``still_speed``; a direction at
+        ``>= moving_speed`` within ``direction_tolerance`` of it, and along it inside the band of a named speed."""
+        s = math.hypot(*v)
+        if motion == "still":
+            return s < self.geneval.still_speed
+        ux, uy = DIRECTIONS[motion]
+        along = v[0] * ux + v[1] * uy
+        if s < self.geneval.moving_speed or along < s * math.cos(math.radians(self.geneval.direction_tolerance)):
+            return False
+        lo, hi = self._band(motion, speed) if speed is not None else (0.0, math.inf)
+        return lo <= along <= hi
 
     # ------------------------------------------------------------------------------------------------ judging
 
@@ -457,23 +635,61 @@ class LongVideoReward:
                   for k in range(SEGMENT_COMPONENTS) for n in PER_SEGMENT}
         return StreamVerdict(comps, reason=f"degenerate stream ({why} frames): no content, scored 0")
 
-    def _trajectory(self, detections: Sequence[Mapping[str, Sequence[Detection]]], cls: str, color: str) -> np.ndarray:
-        """``[T, 2]`` centroids (px) of one object followed by class and colour; NaN where unseen (module doc)."""
-        out = np.full((len(detections), 2), np.nan)
-        last, velocity, seen_at = None, np.zeros(2), None
+    def track(self, detections: Sequence[Mapping[str, Sequence[Detection]]], frames: np.ndarray,
+              objects: Sequence[tuple[str, str]]) -> Tracks:
+        """Follow every object of a stream through its frames at once (module doc, *object trajectories*)."""
+        T, H, W = frames.shape[:3]
+        scale = math.sqrt(H * W) / 64.0
+        J = len(objects)
+        out = Tracks(np.full((J, T, 2), np.nan), np.zeros((J, T), dtype=bool), np.zeros((J, T), dtype=bool))
+        recent: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(J)]  # sightings since the last jump
+        threshold = self.geneval.threshold
         for t, dets in enumerate(detections):
-            mine = [d for d in dets.get(cls, []) if float(d.score) > self.geneval.threshold and d.color == color]
-            if not mine:
-                continue
-            points = np.array([_centroid(d) for d in mine])
-            if last is None:
-                j = int(np.argmax([float(d.score) for d in mine]))
-            else:
-                j = int(np.argmin(np.linalg.norm(points - (last + velocity * (t - seen_at)), axis=1)))
-            if last is not None:
-                velocity = (points[j] - last) / (t - seen_at)
-            last, seen_at = points[j], t
-            out[t] = points[j]
+            found = [(cls, d, np.asarray(_centroid(d))) for cls, ds in dets.items() for d in ds]
+            pairs = []
+            for j, (cls_j, color_j) in enumerate(objects):
+                pred = gate = None
+                if recent[j]:
+                    (t0, p0), (t1, p1) = recent[j][0], recent[j][-1]
+                    v = (p1 - p0) / (t1 - t0) if t1 > t0 else np.zeros(2)
+                    pred = p1 + v * (t - t1)
+                    gate = (self.match_radius + self.gap_radius * (t - t1 - 1)) * scale
+                for i, (cls, d, c) in enumerate(found):
+                    if d.color != color_j:
+                        continue
+                    sure = cls == cls_j and float(d.score) > threshold
+                    if pred is not None and np.hypot(*(c - pred)) <= gate:  # near the prediction: any class, score
+                        cost = float(np.hypot(*(c - pred))) / scale + 4.0 * (cls != cls_j) + 2.0 * (not sure)
+                        pairs.append((cost, j, i, True))
+                    elif sure:  # a confident sighting elsewhere: where it starts, or a jump
+                        far = float(np.hypot(*(c - pred))) / scale if pred is not None else -float(d.score)
+                        pairs.append((1000.0 + far, j, i, False))
+            taken: dict[int, int] = {}  # object -> detection
+            for _, j, i, near in sorted(pairs):
+                if j in taken or i in taken.values():
+                    continue
+                taken[j] = i
+                cls, d, c = found[i]
+                p = _soft_centroid(frames[t], d, objects[j][1]) if self.soft_centroids else c
+                recent[j] = (recent[j] if near else []) + [(t, p)]
+                recent[j] = recent[j][-self.velocity_frames:]
+                out.positions[j, t] = p
+                out.right[j, t] = cls == objects[j][0] and float(d.score) > threshold
+            # not seen with its class (unseen, or a sliver read as another class) where it lies on or against
+            # another object's blob: hidden by it, or merged with it -- not lost
+            for j in range(J):
+                if out.right[j, t] or not recent[j]:
+                    continue
+                others = [found[i][1] for k, i in taken.items() if k != j]
+                if j in taken:
+                    mine = found[taken[j]][1]
+                    near = _grown(mine, 1) if mine.mask is not None else None
+                    out.hidden[j, t] = near is not None and any(o.mask is not None and (near & o.mask).any()
+                                                                for o in others)
+                else:
+                    (t0, p0), (t1, p1) = recent[j][0], recent[j][-1]
+                    x, y = p1 + ((p1 - p0) / (t1 - t0) if t1 > t0 else 0.0) * (t - t1)
+                    out.hidden[j, t] = any(_covers(o, x, y, 2.0 * scale) for o in others)
         return out
 
     def judge_stream(self, detections: Sequence[Mapping[str, Sequence[Detection]]], frames: np.ndarray,
@@ -485,104 +701,130 @@ class LongVideoReward:
         bounds = segment_bounds(metadata)
         judged = [(start + (self.grace if k else 0), end) for k, (start, end) in enumerate(bounds)]
         objects = [(c["class"], c["color"]) for c in segments[0]["include"]]
+        names = [f"{color} {cls}" for cls, color in objects]
+        asks = [segment_asks(seg) for seg in segments]  # [segment][object] -> (motion, speed word)
         reasons: list[str] = []
         comps: dict[str, float] = {}
 
-        # prompt adherence per segment: video_geneval on the judged frames
-        seg_verdicts = [self.geneval.judge_clip(detections[lo:hi], seg, (H, W))
-                        for (lo, hi), seg in zip(judged, segments)]
-        for k, v in enumerate(seg_verdicts):
-            if not v.strict:
-                reasons.append(f"segment {k} ({segments[k]['prompt']!r}): {v.reason}")
-        comps["adherence"] = float(np.mean([v.partial for v in seg_verdicts]))
-        comps["segments_strict"] = float(np.mean([v.strict for v in seg_verdicts]))
-
-        # trajectories, motion per segment
-        paths = [self._trajectory(detections, cls, color) for cls, color in objects]
-        units = [p / scale for p in paths]  # px at 64 px
+        tracks = self.track(detections, frames, objects)
+        units = tracks.positions / scale  # px at 64 px, [J, T, 2]
+        units[tracks.hidden] = np.nan  # a sliver of a hidden object says little about where it is
+        seen = ~np.isnan(units[..., 0])
         t_all = np.arange(T)
 
-        def velocity(u: np.ndarray, lo: int, hi: int) -> tuple[float, float] | None:
-            seen = ~np.isnan(u[lo:hi, 0])
-            if seen.sum() < 2:
+        def velocity(j: int, lo: int, hi: int) -> tuple[float, float] | None:
+            at = t_all[lo:hi][seen[j, lo:hi]]
+            if len(at) < 2:
                 return None
-            return fit_velocity(t_all[lo:hi][seen].tolist(), [tuple(p) for p in u[lo:hi][seen]], outlier_px=1.5)
+            return fit_velocity(at.tolist(), [tuple(p) for p in units[j, at]], outlier_px=1.5)
 
-        velocities, direction, speed = [], [], []
-        for k, ((lo, hi), seg) in enumerate(zip(judged, segments)):
+        # motion per segment and object: direction (gates adherence), speed along the direction
+        velocities, direction, speed, speed_credits = [], [], [], []
+        for k, (lo, hi) in enumerate(judged):
             per_object, d_k, s_k = [], [], []
-            for j, (motion, word) in enumerate(segment_asks(seg)):
-                v = velocity(units[j], lo, hi)
+            for j, (motion, word) in enumerate(asks[k]):
+                v = velocity(j, lo, hi)
                 per_object.append(v)
                 d_k.append(0.0 if v is None else self._direction_credit(v, motion))
                 s_k.append(0.0 if v is None else self._speed_credit(v, motion, word))
                 if d_k[-1] < 0.99 or s_k[-1] < 0.99:
-                    seen = "unseen" if v is None else f"moves ({v[0]:+.2f}, {v[1]:+.2f}) px/frame"
+                    shown = "unseen" if v is None else f"moves ({v[0]:+.2f}, {v[1]:+.2f}) px/frame"
                     asked = motion if word is None else f"{motion} {word}"
-                    reasons.append(f"segment {k} object {j}: asked {asked}, {seen}")
+                    reasons.append(f"segment {k} {names[j]}: asked {asked}, {shown}")
             velocities.append(per_object)
-            direction.append(min(d_k))
-            speed.append(min(s_k))
+            speed_credits.append(s_k)
+            direction.append(float(np.mean(d_k)))
+            speed.append(float(np.mean(s_k)))
         comps["direction"], comps["speed"] = float(np.mean(direction)), float(np.mean(speed))
 
-        # temporal consistency: identity, teleport, smoothness
-        identity, teleport, smooth, jumps, jerks = [], [], [], [], []
+        # prompt adherence per segment: what is shown -- video_geneval's frame checks (every object's class and its
+        # colour in enough frames), each object followed through the segment (identity) and the speed word where
+        # the prompt names one -- gated by the segment's direction credit (standing still for a static one)
+        seg_verdicts = [self.geneval.judge_clip(detections[lo:hi], seg, (H, W))
+                        for (lo, hi), seg in zip(judged, segments)]
+        fraction = self.geneval.track_fraction
+        adherence, strict = [], []
+        for k, ((lo, hi), v) in enumerate(zip(judged, seg_verdicts)):
+            kept = (tracks.right[:, lo:hi] | tracks.hidden[:, lo:hi]).sum(1) / (hi - lo)  # per object
+            shown = [v.credits["object"], v.credits.get("color", 1.0), float(np.minimum(1.0, kept / fraction).mean())]
+            worded = [speed_credits[k][j] for j, (_, word) in enumerate(asks[k]) if word is not None]
+            if worded:
+                shown.append(float(np.mean(worded)))
+            adherence.append(direction[k] * float(np.mean(shown)))
+            framed = all(v.checks.get(name, True) for name in ("object", "color"))
+            strict.append(framed and bool((kept >= fraction).all())
+                          and all(vel is not None and self._as_asked(vel, motion, word)
+                                  for vel, (motion, word) in zip(velocities[k], asks[k])))
+            if not strict[-1]:
+                missing = [f"{names[j]} followed in {kept[j]:.0%} of its frames" for j in range(len(objects))
+                           if kept[j] < fraction]
+                said = "; ".join(filter(None, [v.reason if not framed else "", *missing]))
+                if said:
+                    reasons.append(f"segment {k} ({segments[k]['prompt']!r}): {said}")
+        comps["adherence"] = float(np.mean(adherence))
+        comps["segments_strict"] = float(np.mean(strict))
+
+        # temporal consistency: identity per object; teleport and smoothness as fractions of every object's steps
+        # and frames seen (pooled: an object seen longer weighs more; one never seen is identity's to judge)
+        identity, jumps, jerks, bad_steps, rough_frames = [], [], [], [], []
         turns = np.zeros(T, dtype=bool)
         for start, _ in bounds[1:]:
             turns[max(0, start - 1) : start + self.grace] = True
-        for j, u in enumerate(units):
-            seen = ~np.isnan(u[:, 0])
-            identity.append(min(1.0, seen.sum() / (self.identity_fraction * T)))
+        for j in range(len(objects)):
+            shown = int((tracks.right[j] | tracks.hidden[j]).sum())
+            identity.append(min(1.0, shown / (self.identity_fraction * T)))
             if identity[-1] < 1.0:
-                reasons.append(f"identity: {' '.join(objects[j][::-1])} seen in {int(seen.sum())}/{T} frames")
-            at = np.nonzero(seen)[0]
-            if len(at) >= 2:
-                jump = float((np.linalg.norm(np.diff(u[at], axis=0), axis=1) / np.diff(at)).max())
-            else:
-                jump = math.inf
-            jumps.append(jump)
-            teleport.append(_ramp(jump, self.jump_ok, self.jump_bad) if math.isfinite(jump) else 0.0)
-            if teleport[-1] < 1.0:
-                reasons.append(f"teleport: {' '.join(objects[j][::-1])} jumps {jump:.1f} px/frame")
-            mid = np.array([t for t in range(1, T - 1) if seen[t - 1] and seen[t] and seen[t + 1] and not turns[t]])
-            if len(mid):
-                second = u[mid + 1] - 2 * u[mid] + u[mid - 1]
-                jerk = float(np.linalg.norm(second, axis=1).mean())
-                smooth.append(_ramp(jerk, self.jerk_ok, self.jerk_bad))
-            else:
-                jerk = math.nan
-                smooth.append(0.0)
-            jerks.append(jerk)
-            if smooth[-1] < 1.0:
-                reasons.append(f"smoothness: {' '.join(objects[j][::-1])} second differences {jerk:.2f} px/frame^2")
-        for name, values in (("identity", identity), ("teleport", teleport), ("smoothness", smooth)):
-            comps[name] = float(min(values))
+                reasons.append(f"identity: {names[j]} seen in {int(tracks.right[j].sum())}/{T} frames "
+                               f"(+{int(tracks.hidden[j].sum())} merged with another object)")
+            at = np.nonzero(seen[j])[0]
+            step = np.linalg.norm(np.diff(units[j, at], axis=0), axis=1) / np.diff(at) if len(at) >= 2 else np.zeros(0)
+            jumps.append(float(step.max()) if len(step) else math.nan)
+            bad_steps.append(1.0 - np.clip((self.jump_bad - step) / (self.jump_bad - self.jump_ok), 0.0, 1.0))
+            if (step > self.jump_ok).any():
+                reasons.append(f"teleport: {names[j]} jumps in {int((step > self.jump_ok).sum())} of {len(step)} "
+                               f"steps (largest {step.max():.1f} px/frame)")
+            mid = np.nonzero(seen[j, :-2] & seen[j, 1:-1] & seen[j, 2:] & ~turns[1:-1])[0] + 1
+            second = np.linalg.norm(units[j, mid + 1] - 2 * units[j, mid] + units[j, mid - 1], axis=1)
+            jerks.append(float(second.mean()) if len(mid) else math.nan)
+            rough_frames.append(1.0 - np.clip((self.jerk_bad - second) / (self.jerk_bad - self.jerk_ok), 0.0, 1.0))
+            if (second > self.jerk_ok).any():
+                reasons.append(f"smoothness: {names[j]} turns or jitters in {int((second > self.jerk_ok).sum())} "
+                               f"of {len(mid)} frames (second differences {jerks[-1]:.2f} px/frame^2 on average)")
+        bad_steps, rough_frames = np.concatenate(bad_steps), np.concatenate(rough_frames)
+        comps["identity"] = float(np.mean(identity))
+        comps["teleport"] = max(0.0, 1.0 - float(bad_steps.mean()) / self.teleport_fraction) if len(bad_steps) else 0.0
+        comps["smoothness"] = (max(0.0, 1.0 - float(rough_frames.mean()) / self.smooth_fraction)
+                               if len(rough_frames) else 0.0)
         comps["consistency"] = float(np.mean([comps["identity"], comps["teleport"], comps["smoothness"]]))
         comps["max_jump_px"] = float(max(jumps)) if all(math.isfinite(x) for x in jumps) else math.nan
         comps["jerk_px"] = float(np.nanmean(jerks)) if not all(math.isnan(x) for x in jerks) else math.nan
 
-        # switch recovery
+        # switch recovery: the old motion shown before the switch, then the new one held soon after it
         latencies: list[int | None] = []
         credits = []
         w, hold = self.recovery_window, self.recovery_hold
         for k in range(1, len(segments)):
             start, end = bounds[k]
-            worst = 0
-            for j, (motion, word) in enumerate(segment_asks(segments[k])):
-                ok = []
-                for t in range(start - 1, end - w + 1):  # the step into frame `start` is the new segment's
-                    seen = ~np.isnan(units[j][t : t + w, 0])
-                    v = velocity(units[j], t, t + w) if seen.sum() >= w - 1 else None
-                    ok.append(v is not None and self._holds(v, motion, word))
+            worst: int | None = 0
+            per_object = []
+            for j, (motion, word) in enumerate(asks[k]):
+                first = np.arange(start - 1, end - w + 1)  # the step into frame `start` is the new segment's
+                v, n = _window_fits(units[j], first, first + w)
+                ok = [n[i] >= w - 1 and self._holds(tuple(v[i]), motion, word) for i in range(len(first))]
                 latency = next((i for i in range(len(ok)) if all(ok[i : i + hold])), None)
                 worst = None if latency is None or worst is None else max(worst, latency)
+                v_before, n_before = _window_fits(units[j], np.array([max(0, start - w)]), np.array([start]))
+                before = self._direction_credit(tuple(v_before[0]), asks[k - 1][j][0]) if n_before[0] >= w - 1 else 0.0
+                soon = 0.0 if latency is None else max(0.0, 1.0 - latency / self.recovery_horizon)
+                per_object.append(before * soon)
+                if per_object[-1] < 0.99:
+                    said = "never" if latency is None else f"after {latency} frames"
+                    reasons.append(f"recovery: switch to segment {k} (frame {start}), {names[j]}: new motion held "
+                                   f"{said}, old motion shown before it {before:.2f}")
             latencies.append(worst)
-            credits.append(0.0 if worst is None else max(0.0, 1.0 - worst / self.recovery_horizon))
-            if credits[-1] < 1.0:
-                said = "never" if worst is None else f"after {worst} frames"
-                reasons.append(f"recovery: switch to segment {k} (frame {start}) held {said}")
+            credits.append(float(np.mean(per_object)))
         comps["recovery"] = float(np.mean(credits)) if credits else 1.0
-        per_segment = {"adherence": [v.partial for v in seg_verdicts], "direction": direction, "speed": speed,
+        per_segment = {"adherence": adherence, "direction": direction, "speed": speed,
                        "recovery": [math.nan, *credits]}
         for k in range(SEGMENT_COMPONENTS):
             for name, values in per_segment.items():
@@ -590,20 +832,28 @@ class LongVideoReward:
         comps["recovery_frames"] = (float(np.mean([end - start if lat is None else lat for lat, (start, end)
                                                    in zip(latencies, bounds[1:])])) if latencies else math.nan)
 
-        # anti-freeze: frames keep changing where motion is asked
-        level = self.freeze_level
-        changed = (np.abs(frames[1:].astype(np.int16) - frames[:-1].astype(np.int16)).max(axis=-1) > level)
-        changed = changed.reshape(T - 1, -1).sum(axis=1) >= self.freeze_pixels * (H * W) / 4096.0
-        asked = np.zeros(T, dtype=bool)
-        for k, ((lo, hi), seg) in enumerate(zip(judged, segments)):
-            if any(m != "still" for m, _ in segment_asks(seg)):
-                asked[max(lo, 1) : hi] = True
-        pairs = np.nonzero(asked)[0]
-        comps["anti_freeze"] = float(changed[pairs - 1].mean()) if len(pairs) else 1.0
-        if comps["anti_freeze"] < 1.0:
-            reasons.append(f"anti_freeze: {int((~changed[pairs - 1]).sum())} of {len(pairs)} frames asked to move "
-                           "do not change")
-        return StreamVerdict(comps, seg_verdicts, velocities, latencies, paths, "; ".join(reasons))
+        # anti-freeze: the tracked objects keep moving where their segment asks them to (windowed velocity)
+        moving = []
+        half, still = self.freeze_window // 2, self.geneval.still_speed
+        for j in range(len(objects)):
+            hits = []
+            for k, (lo, hi) in enumerate(judged):
+                if asks[k][j][0] == "still":
+                    continue
+                t = np.arange(max(lo, 1), hi)
+                t = t[~tracks.hidden[j, t]]  # hidden by another object: neither moving nor frozen
+                first = np.clip(t - half, lo, max(lo, hi - self.freeze_window))  # whole windows inside the segment
+                v, n = _window_fits(units[j], first, np.minimum(first + self.freeze_window, hi))
+                step = np.linalg.norm(units[j, t] - units[j, t - 1], axis=1)  # NaN (not moving) where unseen
+                hits.append((n >= 3) & (np.linalg.norm(v, axis=1) >= still) & (np.nan_to_num(step) >= still))
+            if hits:
+                hits = np.concatenate(hits)
+                moving.append(float(hits.mean()))
+                if moving[-1] < 1.0:
+                    reasons.append(f"anti_freeze: {names[j]} stands still (or is unseen) in "
+                                   f"{int((~hits).sum())} of {len(hits)} frames asked to move")
+        comps["anti_freeze"] = float(np.mean(moving)) if moving else 1.0
+        return StreamVerdict(comps, seg_verdicts, velocities, latencies, list(tracks.positions), "; ".join(reasons))
 
     # ------------------------------------------------------------------------------------------------ reward
 

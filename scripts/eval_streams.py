@@ -10,10 +10,11 @@ of them), ``--samples`` videos, sample ``j`` of stream ``i`` from the noise of t
 pipeline's rows share their switch frames), ``--batch`` at a time, with the model's own ``stream_config.json``.
 Each video is scored by ``rewards.load("long_video")`` against its metadata.
 
-Prints JSON: the mean of every component (``adherence`` per segment after a grace period, ``direction``,
-``speed``, ``identity``, ``teleport``, ``smoothness``, ``recovery``, ``anti_freeze``, the scalar ``reward``),
-the same per tag (``one_object_stream`` / ``two_object_stream``) and per segment index (``segment<k>/...``),
-the number of videos and the seconds. ``--sheet`` writes the first videos' segment rows as one labelled PNG.
+Prints JSON: the reward's rules (``scored_by``, e.g. ``long_video v2 (score=mean)``), the mean of every component
+(``adherence`` per segment after a grace period, ``direction``, ``speed``, ``identity``, ``teleport``,
+``smoothness``, ``recovery``, ``anti_freeze``, the scalar ``reward``), the same per tag (``one_object_stream`` /
+``two_object_stream``) and per segment index (``segment<k>/...``), the number of videos and the seconds.
+``--sheet`` writes the first videos' segment rows as one labelled PNG.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def evaluate(args) -> dict:
         return out
 
     report = {"model": args.model, "prompts": args.prompts, "streams": len(streams), "videos": len(results),
-              "overall": means(list(results)), "seconds": round(seconds, 1)}
+              "scored_by": judge.describe(), "overall": means(list(results)), "seconds": round(seconds, 1)}
     by_tag = defaultdict(list)
     for (i, j) in results:
         by_tag[streams[i].get("tag", "stream")].append((i, j))

@@ -44,6 +44,7 @@ def test_metadata_streams_are_scored(model_dir, tmp_path):
                     "--out", str(tmp_path / "o"), "--threads", "1"])
     assert summary["prompts"] == [s["prompt"] for s in meta["segments"]]
     assert 0.0 <= summary["reward"] <= 1.0 and len(summary["rewards"]) > 3
+    assert summary["scored_by"].startswith("long_video v2")  # which rules scored it
     with pytest.raises(SystemExit, match="stream_config.json"):
         main(["--model", str(tmp_path), "--prompt", "x"])
     with pytest.raises(SystemExit, match="--metadata"):
@@ -61,7 +62,7 @@ def test_eval_streams_scores_held_out_streams_whatever_the_batching(model_dir, t
     common = ["--model", str(model_dir), "--streams", "3", "--samples", "2", "--threads", "1"]
     one = es.main(common + ["--batch", "1", "--sheet", str(tmp_path / "s.png"), "--sheet-streams", "2"])
     many = es.main(common + ["--batch", "4", "--json-out", str(tmp_path / "r.json")])
-    assert one["videos"] == many["videos"] == 6
+    assert one["videos"] == many["videos"] == 6 and one["scored_by"] == "long_video v2 (score=mean)"
     assert one["overall"] == many["overall"]          # each video's noise is its own, whatever the batch
     assert set(one["overall"]) >= {"reward", "adherence", "direction", "identity", "recovery", "anti_freeze"}
     assert json.loads((tmp_path / "r.json").read_text())["overall"] == many["overall"]

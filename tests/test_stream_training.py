@@ -104,6 +104,12 @@ def test_stream_grpo_rescores_every_trained_transition_exactly(tmp_path):
     from flowgrpo.trainer import Trainer
 
     trainer = Trainer(make_cfg(tmp_path, "algo.kl_beta=0.01"), tmp_path)
+    assert "reward: long_video v2 (score=mean);" in trainer.banner()  # the log names the reward's rules
+    jobs = trainer.eval_jobs()
+    key = trainer.held_out_key(jobs)
+    trainer.reward.version = 1  # the same config under other rules: held-out scores are not shared
+    assert trainer.held_out_key(jobs) != key
+    del trainer.reward.version
     batch = trainer.rollout(trainer.plan(0), 0)
     plan = batch.plan
     assert plan.chunked and plan.num_chunks == 13 and plan.sigmas.shape[0] == 11
