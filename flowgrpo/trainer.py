@@ -770,8 +770,9 @@ class Trainer:
 
     def run_identity(self) -> dict[str, Any]:
         """What makes two runs the same experiment for ``trainer.resume=auto``: the experiment preset (when started
-        through Hydra), the model, algorithm, sampler, reward and data names, and the seed. Every checkpoint's
-        manifest records it."""
+        through Hydra), the model, algorithm, sampler, reward and data names, the reward's version when it declares
+        one (a run scored under other rules is another experiment), and the seed. Every checkpoint's manifest
+        records it."""
         experiment = None
         try:
             from hydra.core.hydra_config import HydraConfig
@@ -781,9 +782,12 @@ class Trainer:
         except Exception:  # no Hydra run (a Trainer built in Python): no preset name
             experiment = None
         c = self.cfg
-        return {"experiment": None if experiment is None else str(experiment), "model": str(c.model.pretrained),
-                "algo": str(c.algo.name), "sampler": str(c.sampler.name), "reward": str(c.reward.name),
-                "data": str(c.data.name), "seed": int(c.trainer.seed)}
+        identity = {"experiment": None if experiment is None else str(experiment), "model": str(c.model.pretrained),
+                    "algo": str(c.algo.name), "sampler": str(c.sampler.name), "reward": str(c.reward.name),
+                    "data": str(c.data.name), "seed": int(c.trainer.seed)}
+        if getattr(self.reward, "version", None) is not None:
+            identity["reward_version"] = int(self.reward.version)
+        return identity
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``'s result (under FSDP every rank passes the full state and keeps its shards)."""

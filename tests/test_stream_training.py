@@ -107,8 +107,11 @@ def test_stream_grpo_rescores_every_trained_transition_exactly(tmp_path):
     assert "reward: long_video v2 (score=mean);" in trainer.banner()  # the log names the reward's rules
     jobs = trainer.eval_jobs()
     key = trainer.held_out_key(jobs)
-    trainer.reward.version = 1  # the same config under other rules: held-out scores are not shared
-    assert trainer.held_out_key(jobs) != key
+    identity = trainer.run_identity()
+    assert identity["reward_version"] == 2
+    trainer.reward.version = 1  # the same config under other rules: held-out scores are not shared, and a run
+    assert trainer.held_out_key(jobs) != key  # scored so is another experiment for trainer.resume=auto
+    assert trainer.run_identity() == {**identity, "reward_version": 1}
     del trainer.reward.version
     batch = trainer.rollout(trainer.plan(0), 0)
     plan = batch.plan
