@@ -72,6 +72,13 @@ DEFAULT_CKPT = ROOT / "outputs" / "distill_tiny_causal_wan"  # git-ignored
 MAX_SEGMENTS = 4  # 1-3 switches
 
 
+def _repo_relative(value):
+    """A path inside the repository as a repository-relative string; anything else unchanged."""
+    if isinstance(value, str) and value.startswith(str(ROOT) + "/"):
+        return value[len(str(ROOT)) + 1:]
+    return value
+
+
 # ---------------------------------------------------------------------------------------------- teacher
 def load_teacher(path: str) -> StreamingWanPipeline:
     if path == "toy":  # a random causal Wan with the asset's layout (smoke runs)
@@ -345,8 +352,12 @@ class Student:
 
     def export(self) -> None:
         pipe = ema_pipeline(self.pipe, ("transformer",), self.ema)
-        pipe.register_to_config(_name_or_path=Path(self.args.out).name)  # no local path in the export
-        summary = {"script": "scripts/distill_tiny_causal_wan.py", "step": self.step, "args": vars(self.args),
+        name = Path(self.args.out).name
+        pipe.register_to_config(_name_or_path=name)  # no local path in the export
+        for component in ("transformer", "vae"):
+            getattr(pipe, component).register_to_config(_name_or_path=f"{name}/{component}")
+        args = {k: _repo_relative(v) for k, v in vars(self.args).items()}  # no local paths in the export
+        summary = {"script": "scripts/distill_tiny_causal_wan.py", "step": self.step, "args": args,
                    "teacher_streams": len(self.metas), "last_log": self.log[-5:]}
         save_pipeline(pipe, Path(self.args.out), summary)
         (Path(self.args.out) / STREAM_CONFIG_NAME).write_text(json.dumps(vars(self.stream_config()), indent=2) + "\n")

@@ -104,3 +104,24 @@ def test_teacher_shards_do_not_depend_on_restarts_and_the_student_resumes_exactl
     video = pipe(["a red circle moving left", "a red circle standing still"], switch_frames=[17],
                  num_frames=NUM_FRAMES, generator=torch.Generator().manual_seed(0)).videos
     assert video.shape == (1, NUM_FRAMES, 3, 64, 64) and torch.isfinite(video).all()
+
+
+def test_the_shipped_guidance_free_asset_loads_offline_and_streams():
+    """assets/tiny-causal-wan-shapes-4step: a plain WanPipeline directory (from_pretrained, no extra arguments) plus
+    its stream settings (4 steps, no guidance, the teacher's geometry), under 30 MB; a short stream with a switch is
+    a video in [0, 1]."""
+    from diffusers import WanPipeline
+
+    asset = Path(__file__).resolve().parents[1] / "assets" / "tiny-causal-wan-shapes-4step"
+    size = sum(f.stat().st_size for f in asset.rglob("*") if f.is_file())
+    assert size < 30 * 2**20, size
+    assert isinstance(WanPipeline.from_pretrained(asset), WanPipeline)
+    pipe = StreamingWanPipeline.from_pretrained(asset)
+    c = pipe.config
+    assert (c.num_steps, c.guidance_scale, c.recache) == (4, 1.0, False)
+    assert (c.block_frames, c.sink_frames, c.window_frames) == (1, 1, 4)
+    summary = json.loads((asset / "pretrain_summary.json").read_text())
+    assert summary["script"] == "scripts/distill_tiny_causal_wan.py" and summary["step"] == summary["args"]["steps"]
+    video = pipe(["a red circle moving left", "a red circle standing still"], switch_frames=[9], num_frames=17,
+                 generator=torch.Generator().manual_seed(0)).videos
+    assert video.shape == (1, 17, 3, 64, 64) and 0 <= float(video.min()) <= float(video.max()) <= 1

@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
 ASSET = ROOT / "assets" / "tiny-causal-wan-shapes"
 
-BASE = [
-    "experiment=stream_grpo_shapes", "logger=none",
+BASE = [  # the guided 10-step model (CFG paths); the presets train the guidance-free 4-step one
+    "experiment=stream_grpo_shapes", "model=causal_wan_shapes", "logger=none",
     "trainer.iterations=2", "trainer.prompts_per_iteration=2", "trainer.group_size=2",
     "trainer.train_batch_size=4", "trainer.gradient_accumulation_steps=1", "trainer.lr=1e-2",
     "trainer.eval_before=false", "trainer.eval_every=0", "trainer.gallery_every=0", "trainer.checkpoint_every=0",
@@ -168,7 +168,9 @@ def test_a_streaming_run_resumes_exactly(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["model=causal_wan_shapes", "algo=grpo"], "is a streaming model"),
     (["model=sd3_shapes", "algo=stream_grpo"], "algo=stream_grpo trains a streaming model"),
-    (["experiment=stream_grpo_shapes", "sampler.num_steps=4"], r"sampler.num_steps=4: .* model.stream.num_steps=10"),
+    (["experiment=stream_grpo_shapes", "sampler.num_steps=10"], r"sampler.num_steps=10: .* model.stream.num_steps=4"),
+    (["experiment=stream_grpo_shapes", "model=causal_wan_shapes", "sampler.num_steps=4"],
+     r"sampler.num_steps=4: .* model.stream.num_steps=10"),
     (["experiment=stream_grpo_shapes", "sampler=sde"], "sampler.kernel='flow_grpo'"),
     (["experiment=stream_grpo_shapes", "sampler.shift=3.0"], "sampler.shift=3.0"),
 ])
@@ -179,13 +181,20 @@ def test_streaming_models_train_only_with_streaming_algorithms(overrides, messag
         validate(cfg)
 
 
-def test_the_streaming_preset_composes_to_the_assets_own_settings():
+@pytest.mark.parametrize("overrides, asset", [
+    (["experiment=stream_grpo_shapes"], "tiny-causal-wan-shapes-4step"),
+    (["experiment=stream_awm_shapes"], "tiny-causal-wan-shapes-4step"),
+    (["experiment=kvpo_shapes"], "tiny-causal-wan-shapes"),
+    (["experiment=stream_grpo_shapes", "model=causal_wan_shapes"], "tiny-causal-wan-shapes"),
+])
+def test_the_streaming_presets_compose_to_their_assets_own_settings(overrides, asset):
     import json
 
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose("train", overrides=["experiment=stream_grpo_shapes"])
+        cfg = compose("train", overrides=overrides)
     validate(cfg)
-    saved = json.loads((ASSET / "stream_config.json").read_text())
+    assert Path(cfg.model.pretrained).name == asset
+    saved = json.loads((ROOT / "assets" / asset / "stream_config.json").read_text())
     for key in ("block_frames", "num_steps", "shift", "sink_frames", "window_frames", "cache_frames", "recache"):
         assert cfg.model.stream[key] == saved[key], key
     for key in ("guidance_scale", "max_sequence_length", "height", "width"):
