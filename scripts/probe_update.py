@@ -55,6 +55,12 @@ FRESH = 1_000_000
 OTHER = 2_000_000
 
 
+def negated_extras(extras: dict, sign: int) -> dict:
+    """A copy of a batch's ``extras`` whose advantage tensors (keys ending in ``advantages``, e.g. streaming AWM's
+    per-segment ones) carry ``sign`` too: the control must negate whatever advantages the update reads."""
+    return {k: v * sign if k.endswith("advantages") and isinstance(v, torch.Tensor) else v for k, v in extras.items()}
+
+
 def snapshot(trainer) -> dict:
     """What an update changes: the trainable weights, the optimizer and scheduler, the algorithm's state."""
     return {"params": [p.detach().clone() for p in trainer.params],
@@ -158,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
                 restore(trainer, start, lr)
                 batch = dataclasses.replace(base, advantages=base.advantages * sign,
                                             global_advantages=base.global_advantages * sign,
-                                            extras=dict(base.extras))
+                                            extras=negated_extras(base.extras, sign))
                 train = {}
                 for u in range(args.updates):
                     train = trainer.update(batch, b)

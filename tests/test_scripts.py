@@ -271,6 +271,11 @@ def test_probe_update_compares_an_update_with_its_negation_on_the_same_noise(tmp
                (1.0, 1, "component:none", "same"): [nan], (1.0, -1, "component:none", "same"): [nan]}
     row = probe.summarise(changes, [1.0], {}, False)["1"]
     assert set(row) == {"same/component:c"} and row["same/component:c"]["signal"] == {"mean": 1.5, "se": 0.5, "n": 2}
+    # advantages an algorithm keeps in the batch's extras (streaming AWM's per-segment ones) are negated too
+    extras = {"segment_advantages": torch.tensor([[1.0, -2.0]]), "pi": torch.tensor([0.5]), "plan": "kept"}
+    flipped = probe.negated_extras(extras, -1)
+    assert torch.equal(flipped["segment_advantages"], -extras["segment_advantages"])
+    assert flipped["pi"] is extras["pi"] and flipped["plan"] == "kept"
 
 
 TINY_VIDEO = ["--set", "model=tiny_wan", "--set", "model.height=64", "--set", "model.width=64",
