@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 r"""Distil the guided 10-step streaming model into a guidance-free 4-step one: ``assets/tiny-causal-wan-shapes-4step``.
 
-    python scripts/distill_tiny_causal_wan.py --streams 768 --steps 600   # the shipped asset (pretrain_summary.json)
+    python scripts/distill_tiny_causal_wan.py                             # the shipped asset (pretrain_summary.json)
     python scripts/distill_tiny_causal_wan.py --resume                    # continue (teacher shards and student)
     python scripts/distill_tiny_causal_wan.py --probe 16                  # teacher samplers side by side, no training
     python scripts/distill_tiny_causal_wan.py --teacher toy --streams 4 --shard 2 --steps 2 --out /tmp/x   # smoke run
@@ -55,7 +55,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pretrain_tiny import ema_pipeline, lr_at, save_pipeline, save_state  # noqa: E402
+from pretrain_tiny import ema_pipeline, lr_at, save_pipeline  # noqa: E402
+from pretrain_tiny_causal_wan import Trainer as StreamPretrainer  # noqa: E402
 
 from flowgrpo.models import CausalWan, StreamConfig, StreamingWanPipeline  # noqa: E402
 from flowgrpo.models.causal_wan import teacher_forcing_mask  # noqa: E402
@@ -221,8 +222,10 @@ class TeacherData:
 
 
 # ---------------------------------------------------------------------------------------------- student
-class Student:
-    def __init__(self, args, teacher: StreamingWanPipeline, data: TeacherData):
+class Student(StreamPretrainer):
+    """The streaming pretraining's trainer (its loop, checkpoints and prompt cache) on the teacher's data."""
+
+    def __init__(self, args, teacher: StreamingWanPipeline, data: TeacherData):  # not the parent's: no bank
         self.args = args
         self.device = torch.device(args.device)
         self.pipe = teacher.pipe.to(self.device)  # trained in place: the teacher's data are already made
@@ -261,16 +264,6 @@ class Student:
         self.log = state["log"]
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
-
-    @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> torch.Tensor:
-        missing = sorted({p for p in prompts if p not in self.text_cache})
-        if missing:
-            embeds, _ = self.pipe.encode_prompt(missing, do_classifier_free_guidance=False,
-                                                max_sequence_length=self.args.max_sequence_length,
-                                                device=self.device)
-            self.text_cache.update({p: e for p, e in zip(missing, embeds)})
-        return torch.stack([self.text_cache[p] for p in prompts])
 
     def train_step(self) -> dict:
         args = self.args
@@ -318,30 +311,6 @@ class Student:
             torch._foreach_lerp_(self.ema, [p.detach() for p in self.params],
                                  1.0 - min(args.ema, (1 + self.step) / (10 + self.step)))
         return {"loss": loss.item(), "grad": grad.item()}
-
-    def run(self) -> None:
-        args = self.args
-        window, t0, s0 = [], time.time(), self.step
-        self.transformer.train()
-        while self.step < args.steps:
-            metrics = self.train_step()
-            self.step += 1
-            window.append(metrics["loss"])
-            if self.step % args.log_every == 0 or self.step == args.steps:
-                rate = (self.step - s0) / (time.time() - t0)
-                entry = {"step": self.step, "loss": float(np.mean(window)), "grad": round(metrics["grad"], 5)}
-                self.log.append(entry)
-                print(f"[distill] step {self.step}/{args.steps} loss {entry['loss']:.4f} grad {entry['grad']} "
-                      f"{rate:.3f} it/s eta {(args.steps - self.step) / max(rate, 1e-9) / 60:.1f} min", flush=True)
-                window = []
-            if self.step % args.ckpt_every == 0 or self.step in (args.steps, args.stop_at):
-                save_state(self.state_dict(), Path(args.ckpt_dir))
-            if args.export_every and self.step % args.export_every == 0:
-                self.export()
-            if self.step == args.stop_at:
-                print(f"[distill] stopped at step {self.step} (--stop-at); continue with --resume", flush=True)
-                return
-        self.export()
 
     def stream_config(self) -> StreamConfig:
         c, a = self.config, self.args
@@ -422,9 +391,9 @@ def parse_args(argv=None):
     p.add_argument("--teacher-steps", type=int, default=12, help="the teacher's ODE grid (a multiple of the above)")
     p.add_argument("--teacher-guidance", type=float, default=4.5, help="the teacher's classifier-free guidance")
     p.add_argument("--shift", type=float, default=3.0, help="shift of both noise-level lists")
-    p.add_argument("--streams", type=int, default=1024, help="teacher streams")
+    p.add_argument("--streams", type=int, default=512, help="teacher streams")
     p.add_argument("--shard", type=int, default=32, help="teacher streams per shard (and per teacher batch)")
-    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-4, help="peak lr (warmup, cosine to 10%%)")
     p.add_argument("--warmup", type=int, default=50)
