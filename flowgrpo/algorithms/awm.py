@@ -138,7 +138,24 @@ def ema_decay(updates: int, cap: float) -> float:
     return min(cap, 0.001 * updates)
 
 
-class AWM(Algorithm):
+class EMATrustRegion:
+    """AWM's trust-region centre ``θ_ema`` (``self.ema``, an :class:`OldPolicy` the algorithm makes): moved after
+    every iteration and kept in checkpoints. Mixed into :class:`AWM` and streaming AWM."""
+
+    def end_iteration(self, ctx: UpdateContext | None = None) -> None:
+        """``θ_ema ← d·θ_ema + (1−d)·θ``, ``d`` = :func:`ema_decay` at ``ctx.updates``."""
+        if ctx is None:
+            return
+        self.ema.move(ctx.params, keep=ema_decay(int(getattr(ctx, "updates", 0)), self.cfg.ema_kl_decay))
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ema.load_state_dict(state.get("ema"))
+
+
+class AWM(EMATrustRegion, Algorithm):
     """Advantage Weighted Matching. See the module docstring.
 
     Args:
@@ -209,18 +226,6 @@ class AWM(Algorithm):
                     v_ref = ctx.velocity(x_t, sigma, cond)
         v = ctx.velocity(x_t, sigma, cond)
         return awm_objective(v, eps - x0, sigma, self.policy_advantages(batch.advantages[rows]), cfg, v_ema, v_ref)
-
-    def end_iteration(self, ctx: UpdateContext | None = None) -> None:
-        """``θ_ema ← d·θ_ema + (1−d)·θ``, ``d`` = :func:`ema_decay` at ``ctx.updates``."""
-        if ctx is None:
-            return
-        self.ema.move(ctx.params, keep=ema_decay(int(getattr(ctx, "updates", 0)), self.cfg.ema_kl_decay))
-
-    def state_dict(self) -> dict:
-        return {"ema": self.ema.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.ema.load_state_dict(state.get("ema"))
 
     def describe(self) -> str:
         cfg = self.cfg

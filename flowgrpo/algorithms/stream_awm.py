@@ -48,7 +48,7 @@ import torch
 
 from ..advantages import group_advantages
 from ..config import AlgoConfig, _knob
-from .awm import WEIGHTINGS, awm_objective, ema_decay, scaled_advantages
+from .awm import WEIGHTINGS, EMATrustRegion, awm_objective, scaled_advantages
 from .base import Algorithm, Batch, UpdateContext
 from .losses import keyed_noise, renoise
 from .old_policy import OldPolicy
@@ -138,7 +138,7 @@ def segment_advantages(components: dict[str, torch.Tensor], segments: torch.Tens
     return out
 
 
-class StreamAWM(Algorithm):
+class StreamAWM(EMATrustRegion, Algorithm):
     """Streaming AWM (see the module docstring).
 
     Args:
@@ -237,18 +237,6 @@ class StreamAWM(Algorithm):
         loss, info = awm_objective(v, (eps - x0).flatten(0, 1), sigma.flatten(), adv, cfg, v_ema, v_ref)
         info["sigma_mean"] = sigma.mean().detach()
         return loss, info
-
-    def end_iteration(self, ctx: UpdateContext | None = None) -> None:
-        """``θ_ema ← d·θ_ema + (1−d)·θ``, as AWM's."""
-        if ctx is None:
-            return
-        self.ema.move(ctx.params, keep=ema_decay(int(getattr(ctx, "updates", 0)), self.cfg.ema_kl_decay))
-
-    def state_dict(self) -> dict:
-        return {"ema": self.ema.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.ema.load_state_dict(state.get("ema"))
 
     def describe(self) -> str:
         cfg = self.cfg
