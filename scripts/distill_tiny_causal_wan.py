@@ -64,7 +64,7 @@ from flowgrpo.models.stream_adapter import StreamAdapter  # noqa: E402
 from flowgrpo.models.stream_pipeline import STREAM_CONFIG_NAME  # noqa: E402
 from flowgrpo.world.streams import STREAM_NUM_FRAMES, held_out_sequences, latent_segments, sample_stream_metadata, \
     sequence_key  # noqa: E402
-from samplers import stream_sigmas  # noqa: E402
+from samplers import stream_rollout, stream_sigmas  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TEACHER = ROOT / "assets" / "tiny-causal-wan-shapes"
@@ -135,20 +135,19 @@ def teacher_chain(adapter: StreamAdapter, metas: list[dict], noise: torch.Tensor
 @torch.no_grad()
 def reference_chain(adapter: StreamAdapter, metas: list[dict], noise: torch.Tensor, renoise: torch.Tensor, *,
                     levels: torch.Tensor, guidance: float, num_frames: int, max_sequence_length: int) -> torch.Tensor:
-    """A model's own sampler (one velocity per level, re-noise between): the clean blocks ``[B, K, C, F, h, w]``."""
-    cond = adapter.encode_prompts([m["prompt"] for m in metas], "", guidance_scale=guidance,
-                                  max_sequence_length=max_sequence_length, metadata=metas, num_frames=num_frames)
-    blocks = []
-    for k in range(noise.shape[1]):
-        x = noise[:, k].float()
-        for j in range(levels.shape[0]):
-            sigma = float(levels[j])
-            x0 = x - sigma * adapter.velocity(x, sigma, cond, guidance_scale=guidance)
-            if j + 1 < levels.shape[0]:
-                x = (1 - float(levels[j + 1])) * x0 + float(levels[j + 1]) * renoise[:, k, j].float()
-        cond = adapter.commit(x0, cond)
-        blocks.append(x0)
-    return torch.stack(blocks, 1)
+    """A model's own sampler (:func:`samplers.stream_rollout` on the adapter's blocks): the clean blocks
+    ``[B, K, C, F, h, w]``."""
+    state = {"cond": adapter.encode_prompts([m["prompt"] for m in metas], "", guidance_scale=guidance,
+                                            max_sequence_length=max_sequence_length, metadata=metas,
+                                            num_frames=num_frames)}
+
+    def velocity(x, sigma, _k):
+        return adapter.velocity(x, sigma, state["cond"], guidance_scale=guidance)
+
+    def commit(x0, _k):
+        state["cond"] = adapter.commit(x0, state["cond"])
+
+    return stream_rollout(velocity, commit, noise, renoise, levels).blocks
 
 
 def training_metas(rng: np.random.Generator, n: int, num_frames: int) -> list[dict]:
