@@ -67,31 +67,22 @@ def read_jsonl(path: Path, n: int) -> list[dict]:
 def stream_latents(path: str, n: int, seed: int):
     """A sampler ``(draw) -> [B, K, C, F, h, w]`` clean blocks of the first ``n`` held-out streams, and the model."""
     from flowgrpo.models import StreamingWanPipeline
-    from flowgrpo.models.stream_adapter import StreamAdapter, stream_sde_mask
-    from samplers import chunked_rollout
+    from flowgrpo.models.stream_adapter import StreamAdapter
 
     stream = StreamingWanPipeline.from_pretrained(path)
     adapter = StreamAdapter(stream)
     c = stream.config
     metas = read_jsonl(ROOT / "assets" / "prompts" / "streams_test.jsonl", n)
     num_frames = int(metas[0]["num_frames"])
-    sigmas = adapter.sigmas(c.num_steps)
+    model_kw = {"guidance": {"guidance_scale": c.guidance_scale}, "negative_prompt": c.negative_prompt,
+                "max_sequence_length": c.max_sequence_length,
+                "size": {"height": c.height or 64, "width": c.width or 64, "num_frames": num_frames}}
 
     @torch.no_grad()
-    def sample(draw: int) -> torch.Tensor:
-        cond = adapter.encode_prompts([m["prompt"] for m in metas], c.negative_prompt,
-                                      guidance_scale=c.guidance_scale, max_sequence_length=c.max_sequence_length,
-                                      metadata=metas, num_frames=num_frames)
+    def sample(draw: int) -> torch.Tensor:                                      # [B, K, C, F, h, w]
         gens = [torch.Generator().manual_seed(seed * 1_000_003 + draw * 10_007 + i) for i in range(len(metas))]
-        noise = adapter.prepare_noise(len(metas), height=c.height or 64, width=c.width or 64, num_frames=num_frames,
-                                      generator=gens)
-
-        def velocity(x, sigma, cond_k):
-            return adapter.velocity(x, sigma, cond_k, guidance_scale=c.guidance_scale)
-
-        traj = chunked_rollout(velocity, adapter.commit, noise, sigmas, stream_sde_mask(c.num_steps), cond=cond,
-                               kernel="cps", noise_level=1.0, generator=gens)
-        return traj.final                                                       # [B, K, C, F, h, w]
+        return adapter.generate([m["prompt"] for m in metas], metas, gens, sigmas=adapter.sigmas(c.num_steps),
+                                model_kw=model_kw, decode=False)
 
     info = {"kind": "stream", "steps": c.num_steps, "guidance_scale": c.guidance_scale, "shift": c.shift,
             "forwards_per_step": 2 if c.guidance_scale > 1 else 1, "samples": len(metas)}

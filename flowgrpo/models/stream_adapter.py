@@ -452,10 +452,10 @@ class StreamAdapter(TransformerAccess):
     @torch.no_grad()
     def generate(self, prompts: list[str], metadata: Sequence[dict], generators: list[torch.Generator], *,
                  sigmas: torch.Tensor, model_kw: dict[str, Any],
-                 autocast: Callable[[], ContextManager] = nullcontext) -> torch.Tensor:
+                 autocast: Callable[[], ContextManager] = nullcontext, decode: bool = True) -> torch.Tensor:
         """Videos ``[B, T, 3, H, W]`` in [0, 1], one per generator: the model's own sampler (re-noise at every step
         but the last, ``cps`` at noise level 1), sample ``b``'s initial noise and then its re-noise draws from
-        ``generators[b]`` alone."""
+        ``generators[b]`` alone. ``decode=False``: the clean blocks ``[B, K, C, F, h, w]`` instead."""
         guidance = model_kw["guidance"]
         size = model_kw["size"]
         cond = self.encode_prompts(prompts, model_kw["negative_prompt"], guidance_scale=guidance["guidance_scale"],
@@ -469,5 +469,7 @@ class StreamAdapter(TransformerAccess):
 
         traj = chunked_rollout(velocity, self.commit, noise, sigmas, stream_sde_mask(sigmas.shape[0] - 1),
                                cond=cond, kernel="cps", noise_level=1.0, generator=generators)
+        if not decode:
+            return traj.final
         return self.decode(self.join_chunks(traj.final)).float().clamp(0, 1)
 
