@@ -38,6 +38,7 @@ from rewards import geneval_prefixes, geneval_summary
 from samplers import rollout
 
 from .build import PromptSet, tag_rows
+from .seeding import EVAL_STREAM, seeded_generator
 
 __all__ = [
     "EVAL_STREAM",
@@ -49,20 +50,6 @@ __all__ = [
     "score_jobs",
     "seeded_generator",
 ]
-
-_MIX = 1_000_003  # odd multiplier mixing (seed, iteration, index) into one generator seed
-
-
-def seeded_generator(*keys: int, device: str | torch.device = "cpu") -> torch.Generator:
-    """A generator seeded by a tuple of integers (deterministic, independent streams for distinct tuples)."""
-    seed = 0
-    for k in keys:
-        seed = (seed * _MIX + int(k) + 1) % (2**63 - 1)
-    return torch.Generator(device=device).manual_seed(seed)
-
-
-# The trainer's stream ids are 1-4 (prompts, noise, SDE, step order); held-out noise is stream 5.
-EVAL_STREAM = 5
 
 Job = tuple[int, int]  # (index of the prompt in the held-out set, index of its fixed seed)
 

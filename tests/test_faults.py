@@ -252,10 +252,10 @@ def test_a_crash_whose_summary_cannot_be_written_still_raises_its_own_error(tmp_
     import errno
     import os
 
-    import flowgrpo.trainer as trainer_module
+    import flowgrpo.run_state as run_state_module
 
     trainer = make(tmp_path, "trainer.iterations=2", "trainer.checkpoint_every=0")
-    real_reward, real_write = trainer.reward, trainer_module.atomic_write_text
+    real_reward, real_write = trainer.reward, run_state_module.atomic_write_text
 
     def reward(images, prompts, metadata=None):
         if trainer.iteration == 1:
@@ -268,7 +268,7 @@ def test_a_crash_whose_summary_cannot_be_written_still_raises_its_own_error(tmp_
         return real_write(path, text)
 
     trainer.reward = reward
-    monkeypatch.setattr(trainer_module, "atomic_write_text", write)
+    monkeypatch.setattr(run_state_module, "atomic_write_text", write)
     with pytest.raises(ConnectionError, match="reward server down") as info:
         trainer.fit()
     note = "\n".join(info.value.__notes__)

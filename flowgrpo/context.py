@@ -1,0 +1,99 @@
+"""The trainer's side of the algorithm contract: :class:`TrainerContext`, the
+:class:`~flowgrpo.algorithms.UpdateContext` an algorithm's update (and its own rollout, if it has one) reaches the
+model through — the trained transformer's velocity with the training guidance and autocast, the reference policy,
+generators keyed by the run's seed, and a streaming model's cache operations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import torch
+
+from .algorithms import UpdateContext
+from .finetune import gathers_state, reference_policy
+from .seeding import ALGO_STREAM, seeded_generator
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+__all__ = ["TrainerContext"]
+
+
+class TrainerContext(UpdateContext):
+    """The trainer's :class:`~flowgrpo.algorithms.UpdateContext`: the trained transformer (through accelerate's
+    wrapper, with the training guidance and autocast), the reference policy, and generators keyed by the run's seed,
+    the iteration and the inner epoch (set by the trainer before each update)."""
+
+    def __init__(self, trainer: "Trainer"):
+        self._trainer = trainer
+        self.iteration = 0
+        self.epoch = 0
+        self._module = None  # None: the adapter's own (wrapped) transformer
+
+    def velocity(self, x, sigma, cond):
+        t = self._trainer
+        guidance = t.model_kw["guidance"] if t.algorithm.cfg_in_training else {"guidance_scale": 1.0}
+        with t.acc.autocast():
+            return t.adapter.velocity(x, sigma, cond, transformer=self._module, **guidance)
+
+    @contextlib.contextmanager
+    def reference(self):
+        t = self._trainer
+        with reference_policy(t.unwrapped, t.ref_copy) as ref:
+            saved, self._module = self._module, ref
+            try:
+                yield
+            finally:
+                self._module = saved
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return self._trainer.params
+
+    @property
+    def updates(self) -> int:
+        return self._trainer.updates
+
+    def generator(self, *keys: int) -> torch.Generator:
+        return seeded_generator(self._trainer.cfg.trainer.seed, ALGO_STREAM, self.iteration, self.epoch, *keys)
+
+    def stored_weights(self, path: str) -> list[torch.Tensor]:
+        t = self._trainer
+        if gathers_state(t.acc):
+            raise NotImplementedError("weights of another run are read into unsharded parameters only (no FSDP)")
+        where, state = t.ckpt.load_intact(t.ckpt.resume_candidates(path))
+        saved = state["trainable"]
+        names = [n for n, p in t.unwrapped.named_parameters() if p.requires_grad]
+        if set(names) != saved.keys():
+            raise ValueError(f"{where} does not hold this run's trainable parameters (another model, model.lora or "
+                             "model.finetune?)")
+        return [saved[n].to(device=p.device, dtype=p.dtype) for n, p in zip(names, t.params)]
+
+    def _stream(self):
+        adapter = self._trainer.adapter
+        if not getattr(adapter, "chunked", False):
+            raise TypeError(f"{type(adapter).__name__} is not a streaming model (model.family=causal_wan)")
+        return adapter
+
+    @torch.no_grad()
+    def commit(self, x0, cond):
+        return self._stream().commit(x0, cond)
+
+    def routed(self, route):
+        return self._stream().wan.routed(route)
+
+    def teacher_forced_velocity(self, clean, noisy, sigma, cond):
+        with self._trainer.acc.autocast():
+            return self._stream().teacher_forced_velocity(clean, noisy, sigma, cond, transformer=self._module)
+
+    def noise(self, generators):
+        return self._trainer.adapter.prepare_noise(len(generators), generator=list(generators),
+                                                   **self._trainer.model_kw["size"])
+
+    @property
+    def stream_layout(self):
+        c = self._stream().config
+        return {"block_frames": c.block_frames, "sink_frames": c.sink_frames, "window_frames": c.window_frames,
+                "cache_frames": c.cache_frames, "recache": c.recache}
