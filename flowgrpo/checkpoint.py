@@ -1,7 +1,8 @@
 """Checkpoints that survive a crash, a LoRA that diffusers can load, RNG states, and a clean stop on SIGTERM.
 
-Phase 6 of ``flowgrpo.trainer`` (log / checkpoint). What a resume needs is the trainer's business (weights/LoRA,
-optimizer, LR schedule, EMA, RNG, window/plan state, step); this module only makes writing it safe:
+Phase 6 of ``flowgrpo.trainer`` (log / checkpoint). What a resume needs is the trainer's business
+(:mod:`flowgrpo.run_state`: weights/LoRA, optimizer, LR schedule, EMA, RNG, window/plan state, step); this module
+only makes writing it safe:
 
 >>> manager = CheckpointManager(run_dir / "checkpoints", keep=2)                          # doctest: +SKIP
 >>> manager.save(step, {"step": step, "optimizer": opt.state_dict(), "rng": capture_rng_state()},
