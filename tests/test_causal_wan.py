@@ -9,7 +9,8 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from flowgrpo.models import CausalWan
-from flowgrpo.models.causal_wan import _apply_rope, _rope_rotation, _rotate, _slot_runs, stream_mask, teacher_forcing_mask
+from flowgrpo.models.causal_wan import (_Call, _apply_rope, _frame_attention, _gathers_frames, _rope_rotation, _rotate,
+                                       _slot_runs, stream_mask, teacher_forcing_mask)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -181,6 +182,35 @@ def test_context_read_by_slices_or_by_index_equals_the_mask(data):
         with wan.routed(lambda offset, frames, cached: older if offset == 7 else range(offset)):
             streamed = stream(wan, x, t, text, 1)
         assert diff(streamed, wan.full(x, t, text, mask=mask)) < TIGHT, older
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_frame_gathered_attention_equals_masked_attention_with_its_gradients(per_row):
+    """On the CPU a full-mode self-attention whose frames each see few others runs per query frame over the key
+    frames gathered (a streaming or teacher-forcing mask): the same outputs and gradients as SDPA under the mask."""
+    torch.manual_seed(0)
+    B, F, T, H, D = 3, 12, 4, 2, 8
+    rows = [teacher_forcing_mask(6, 1, sink_frames=1, window_frames=2),
+            teacher_forcing_mask(6, 2, sink_frames=1, window_frames=2),
+            stream_mask(12, 1, sink_frames=1, window_frames=3)]
+    mask = torch.stack(rows) if per_row else rows[0]
+    q, k, v = (torch.randn(B, F * T, H, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    call = _Call(torch.arange(F), mask=mask, tokens_per_frame=T)
+    width = int(mask.sum(-1).max())                 # the most frames a query frame sees: 3 or 4 of 12
+    assert _gathers_frames(call, q) and call.frame_keys[0].shape[-1] == width <= F // 3
+    out = _frame_attention(q, k, v, call)
+    frames = mask if mask.ndim == 3 else mask[None]
+    dense_mask = frames.repeat_interleave(T, 1).repeat_interleave(T, 2)[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           attn_mask=dense_mask).transpose(1, 2)
+    assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-12)
+    w = torch.randn_like(out)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(got, want))
+    # a mask where frames see more than a third of the others keeps the masked kernel
+    dense = _Call(torch.arange(F), mask=torch.ones(F, F, dtype=torch.bool).tril(), tokens_per_frame=T)
+    assert not _gathers_frames(dense, q)
 
 
 def test_complex_rope_is_diffusers_rotation():

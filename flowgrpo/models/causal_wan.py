@@ -140,6 +140,7 @@ class _Call:
     tokens_per_frame: int = 0
     rotation: torch.Tensor | None = None    # the RoPE tables as complex rotations, built by the first layer
     token_mask: torch.Tensor | None = None  # full mode: ``mask`` expanded to tokens, built by the first layer
+    frame_keys: tuple | None = None         # full mode on the CPU: each frame's key frames (_frame_keys), or (None, None)
     text_frames: torch.Tensor | None = None  # full mode: [F] or [B, F], the prompt of the concatenated text a frame reads
     prompt_tokens: int = 0                   # full mode with text_frames: tokens per prompt
     text_mask: torch.Tensor | None = None    # ``text_frames`` as a cross-attention mask, built by the first layer
@@ -242,6 +243,48 @@ def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(torch.view_as_complex(pairs.contiguous()) * rotation).flatten(-2).type_as(x)
 
 
+def _gathers_frames(call: _Call, query: torch.Tensor) -> bool:
+    """Whether a full-mode self-attention runs as :func:`_frame_attention`: on the CPU, where SDPA under a mask
+    computes every query-key pair, when each query frame sees at most a third of the frames (a streaming mask:
+    sink + window). On an accelerator the masked kernel stays (gathering copies every key ``K`` times)."""
+    if query.device.type != "cpu":
+        return False
+    if call.frame_keys is None:
+        mask = call.mask.to(query.device)
+        mask = mask[None] if mask.ndim == 2 else mask                                          # [B or 1, F, F]
+        width = int(mask.sum(-1).max())
+        call.frame_keys = (None, None) if 3 * width > mask.shape[-1] else _frame_keys(mask, width)
+    return call.frame_keys[0] is not None
+
+
+def _frame_keys(mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query frame of a frame mask ``[B or 1, F, F]``: the ``width`` key frames it may attend, ascending and
+    padded (``[B or 1, F, width]`` long), and which of them are real (bool, same shape)."""
+    order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[..., :width]  # allowed frames first
+    return order, mask.gather(-1, order)
+
+
+def _frame_attention(query, key, value, call: _Call) -> torch.Tensor:
+    """Masked self-attention over ``[B, S, H, D]`` (``S`` = frames × tokens per frame) computed per query frame over
+    the key frames its mask allows (gathered), instead of over all ``S`` keys with the mask: the same keys, the same
+    softmax, ``F / width`` times fewer products. Returns ``[B, S, H, D]``."""
+    idx, valid = call.frame_keys
+    B, S, H, D = query.shape
+    T = call.tokens_per_frame
+    F, W = S // T, idx.shape[-1]
+    rows = torch.arange(B, device=query.device)[:, None, None] if idx.shape[0] > 1 else slice(None)
+    index = idx if idx.shape[0] > 1 else idx[0]
+
+    def gathered(t):                                          # [B, S, H, D] -> [B·F, H, W·T, D]
+        t = t.unflatten(1, (F, T))[rows, index] if idx.shape[0] > 1 else t.unflatten(1, (F, T))[:, index]
+        return t.flatten(2, 3).flatten(0, 1).transpose(1, 2)
+
+    q = query.unflatten(1, (F, T)).flatten(0, 1).transpose(1, 2)                 # [B·F, H, T, D]
+    keep = valid.repeat_interleave(T, dim=-1).expand(B, F, W * T).reshape(B * F, 1, 1, W * T)
+    out = torch.nn.functional.scaled_dot_product_attention(q, gathered(key), gathered(value), attn_mask=keep)
+    return out.transpose(1, 2).unflatten(0, (B, F)).flatten(1, 2)                # [B, S, H, D]
+
+
 class _CausalSelfAttnProcessor:
     """Wan's self-attention with a frame mask (full mode) or a KV cache (cache mode)."""
 
@@ -263,6 +306,9 @@ class _CausalSelfAttnProcessor:
         elif rotary_emb is not None:            # outside a stream: diffusers' arithmetic, unchanged
             query, key = _apply_rope(query, rotary_emb[0], rotary_emb[1]), _apply_rope(key, rotary_emb[0], rotary_emb[1])
         mask = attention_mask
+        if call is not None and call.mask is not None and _gathers_frames(call, query):
+            out = _frame_attention(query, key, value, call)
+            return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(query)))
         if call is not None and call.mask is not None:
             if call.token_mask is None:
                 per = call.tokens_per_frame
