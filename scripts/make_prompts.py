@@ -14,6 +14,8 @@ The moving-shapes (video) prompts, 426 (72 motion, 120 two_object_motion, 54 cou
 The streams (long clips whose prompt switches 1-3 times) are 400 distinct prompt sequences of 49 frames drawn by
 flowgrpo.world.split_stream_prompts, 300 train and 100 held out (no sequence in both), in streams_{train,test}.jsonl:
 one stream metadata dict per line (num_frames, tag, segments with their start frames, the joined prompt).
+streams_one_object_test.jsonl holds 100 more held-out one-object streams (flowgrpo.world.one_object_held_out, seed 1),
+none of whose prompt sequences is in either file: the held-out set of data=one_object_streams.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import json
 import sys
 from pathlib import Path
 
-from flowgrpo.world import MOTION_TAGS, TAGS, split_motion_prompts, split_prompts, split_stream_prompts
+from flowgrpo.world import MOTION_TAGS, TAGS, one_object_held_out, split_motion_prompts, split_prompts, split_stream_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,8 +51,12 @@ def main() -> int:
         print(world, json.dumps({s: {t: c[t] for t in tags} | {"total": sum(c.values())} for s, c in counts.items()}))
     train, test = split_stream_prompts(seed=args.seed)
     files |= {"streams_train.jsonl": _lines(train), "streams_test.jsonl": _lines(test)}
+    one_object = one_object_held_out(100, seed=args.seed + 1, exclude=train + test)
+    files["streams_one_object_test.jsonl"] = _lines(one_object)
     counts = {name: collections.Counter(f"{r['tag']}/{len(r['segments']) - 1}_switches" for r in rows)
               for name, rows in (("train", train), ("test", test))}
+    counts["one_object_test"] = collections.Counter(f"one_object_stream/{len(r['segments']) - 1}_switches"
+                                                    for r in one_object)
     print("streams", json.dumps({s: dict(sorted(c.items())) | {"total": sum(c.values())} for s, c in counts.items()}))
     if args.check:
         stale = [n for n, text in files.items() if not (args.out_dir / n).exists() or (args.out_dir / n).read_text() != text]

@@ -3,6 +3,7 @@ r"""Did a run learn? Its checkpoint against the model it started from, on the sa
 
     python scripts/paired_eval.py outputs/RUN                         # the run's newest checkpoint, its eval settings
     python scripts/paired_eval.py RUN_A RUN_B --prompts 100 --samples 2 --out paired.json
+    python scripts/paired_eval.py RUN --test-file assets/prompts/streams_test.jsonl   # another held-out file
 
 Each run is rebuilt from its ``config.yaml`` (the model it trained, its reward and held-out prompts); the base model
 (the run's starting weights) and the run's newest intact checkpoint (or ``--checkpoint``) then score the same
@@ -72,6 +73,8 @@ def evaluate_run(run: Path, args, base_cache: dict) -> dict:
     cfg.trainer.resume = None
     cfg.logger.name = "none"
     cfg.trainer.gallery_every = 0
+    if args.test_file is not None:  # e.g. the two-object streams of another held-out file, reported apart
+        cfg.data.test_file = str(args.test_file)
     with tempfile.TemporaryDirectory(prefix="paired-eval-") as scratch:
         trainer = Trainer(cfg, scratch)
         if trainer.test_set is None:
@@ -100,6 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompts", type=int, default=0, help="held-out prompts (0: the run's trainer.eval_num_prompts)")
     p.add_argument("--samples", type=int, default=1, help="samples per prompt")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--test-file", type=Path, default=None,
+                   help="held-out prompts to use instead of the run's data.test_file (JSONL)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: print only the summary)")
     args = p.parse_args(argv)
     if args.checkpoint is not None and len(args.runs) > 1:
@@ -107,7 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     base_cache: dict = {}
-    report = {"prompts": args.prompts, "samples": args.samples, "runs": []}
+    report = {"prompts": args.prompts, "samples": args.samples, "runs": [],
+              "test_file": str(args.test_file) if args.test_file is not None else None}
     for run in args.runs:
         report["runs"].append(evaluate_run(run, args, base_cache))
         if args.out:

@@ -28,6 +28,7 @@ from flowgrpo.world import (
     frame_segments,
     latent_segments,
     motion_metadata_for,
+    one_object_held_out,
     perturb_stream,
     render_stream,
     sample_stream_metadata,
@@ -223,6 +224,24 @@ def test_split_is_disjoint_covers_every_word_in_train_and_is_committed(split):
     done = subprocess.run([sys.executable, "scripts/make_prompts.py", "--check"], cwd=ROOT, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_one_object_held_out_set_is_outside_both_streams_files_and_committed(split):
+    train, test = split
+    rows = one_object_held_out(100, seed=1, exclude=train + test)
+    keys = {sequence_key(m) for m in rows}
+    assert len(rows) == 100 and len(keys) == 100
+    assert not keys & {sequence_key(m) for m in train + test}
+    assert {m["tag"] for m in rows} == {"one_object_stream"}
+    assert {len(m["segments"]) for m in rows} == {2, 3, 4}
+    for m in rows:
+        validate_stream_metadata(m)
+        assert all(len(s["include"]) == 1 for s in m["segments"])
+    assert _rows("streams_one_object_test.jsonl") == rows, \
+        "assets/prompts/streams_one_object_test.jsonl is stale: run python scripts/make_prompts.py"
+    # the exclusion is honoured: excluding the first draws changes the set
+    again = one_object_held_out(10, seed=1, exclude=train + test + rows[:5])
+    assert not {sequence_key(m) for m in again} & {sequence_key(m) for m in rows[:5]}
 
 
 # ------------------------------------------------------------------------------------------ negatives, caption noise

@@ -95,6 +95,7 @@ __all__ = [
     "sample_stream_tracks",
     "sequence_key",
     "split_stream_prompts",
+    "one_object_held_out",
     "stream_fits",
     "stream_metadata_for",
     "stream_training_samples",
@@ -335,6 +336,24 @@ def split_stream_prompts(seed: int = 0, n_train: int = 300, n_test: int = 100,
     test = sorted(order[:n_test].tolist())
     train = sorted(order[n_test:].tolist())
     return [rows[i] for i in train], [rows[i] for i in test]
+
+
+def one_object_held_out(n: int = 100, seed: int = 1, exclude: Sequence[dict] = (),
+                        num_frames: int = STREAM_NUM_FRAMES) -> list[dict]:
+    """``n`` one-object streams of distinct prompt sequences, seeded, none of whose sequence is in ``exclude``
+    (e.g. both parts of :func:`split_stream_prompts`): a held-out set of streams the training split does not hold,
+    in generation order. Switches 1-3 as :func:`sample_stream_metadata` draws them."""
+    rng = np.random.default_rng(seed)
+    seen = {sequence_key(m) for m in exclude}
+    rows = []
+    for _ in range(100 * n):
+        if len(rows) == n:
+            return rows
+        meta = sample_stream_metadata(rng, num_frames, objects=1)
+        if sequence_key(meta) not in seen:
+            seen.add(sequence_key(meta))
+            rows.append(meta)
+    raise RuntimeError(f"could not draw {n} one-object stream prompt sequences outside the {len(exclude)} excluded")
 
 
 # ---------------------------------------------------------------------------------------------- renderer
