@@ -256,6 +256,33 @@ def test_zero_advantages_give_zero_policy_gradient(rolled):
         ctx.seen.clear()
 
 
+def test_group_noise_shares_the_draws_of_a_group_so_identical_members_cancel(rolled):
+    """With algo.group_noise the members of a group are re-noised with the same levels and noise: two members that
+    committed the same blocks then give the same loss gradient, and opposite advantages cancel it exactly; with a
+    draw per stream they do not."""
+    adapter, cond, x0 = rolled
+    twins = x0.clone()
+    twins[1], twins[3] = twins[0], twins[2]           # each group's second stream repeats its first
+    norms = {}
+    for group_noise in (True, False):
+        ctx = StreamCtx(adapter)
+        algo = StreamAWM(adapter.sigmas(STEPS), kernel="cps", chunks=x0.shape[1], ema_kl_beta=0.0, kl_beta=0.0,
+                         group_noise=group_noise)
+        batch = make_batch(adapter, cond, twins, algo)
+        batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+        rows, steps = batch.plan.trained_transitions()
+        for p in ctx.params:
+            p.grad = None
+        loss, info = algo.loss(ctx, batch, rows, steps)
+        loss.backward()
+        norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in grads(ctx))))
+        v = ctx.seen[-1].detach()
+        same_input = torch.equal(v[0], v[1]) and torch.equal(v[2], v[3])
+        assert same_input == group_noise, group_noise
+        norms[group_noise] = norm
+    assert norms[True] < 1e-6 * norms[False], norms   # cancelled up to float rounding of a batched forward
+
+
 def test_per_segment_advantages_reach_the_blocks_of_their_segment_only(rolled):
     adapter, cond, x0 = rolled
     ctx = StreamCtx(adapter)

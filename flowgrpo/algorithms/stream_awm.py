@@ -12,8 +12,11 @@ own level ``σ_k``: one level drawn in each of ``K`` equal-probability strata of
 levels, assigned to the blocks in a random order, so every forward covers the whole range. That distribution is
 the pretraining's: ``u = sigmoid(N(algo.logit_mean, algo.logit_std²))`` shifted as the model's steps,
 ``σ = s·u/(1 + (s − 1)·u)`` with ``s = algo.shift`` (null: the model's own ``model.stream.shift``, read off the
-block schedule). All ``K`` noisy blocks are then denoised in **one forward** over ``[the stream's clean blocks;
-its noisy blocks]`` under the teacher-forcing mask of :func:`~flowgrpo.models.causal_wan.teacher_forcing_mask`
+block schedule). With ``algo.group_noise`` the ``G`` streams of a group draw the same levels and noise (common
+random numbers): the loss's gradient then differs between members only through their clean blocks, and the part
+that depends on the draw alone, the same for every member, cancels against the group's zero-mean advantages
+instead of adding noise to every update. All ``K`` noisy blocks are then denoised in **one forward** over
+``[the stream's clean blocks; its noisy blocks]`` under the teacher-forcing mask of :func:`~flowgrpo.models.causal_wan.teacher_forcing_mask`
 (``UpdateContext.teacher_forced_velocity``, ``StreamAdapter.teacher_forced_velocity``): each noisy block attends
 to itself and to the clean frames the stream's cache held for it (sink and window as the model streams; after a
 re-cache at a prompt switch, the window re-written under the new prompt), each frame under its own segment's
@@ -76,6 +79,10 @@ class StreamAWMConfig(AlgoConfig):
     logit_mean: float = 0.0  # noise levels: u = sigmoid(N(logit_mean, logit_std^2)), as the pretraining draws them
     logit_std: float = _knob(1.0, gt=0)  # std of that normal
     shift: Optional[float] = _knob(None, gt=0)  # sigma = s·u/(1+(s-1)·u); null = the model's model.stream.shift
+    # true: the G streams of a group are re-noised with the same levels and noise (common random numbers: the part
+    # of the loss's gradient that depends only on the draw is the same for every member and cancels against the
+    # group's zero-mean advantages); false: every stream draws its own
+    group_noise: bool = False
 
 
 def schedule_shift(base_sigmas: torch.Tensor) -> float:
@@ -216,9 +223,11 @@ class StreamAWM(EMATrustRegion, Algorithm):
         rows, steps = self._check_transitions(batch.plan, rows, steps)
         x0 = batch.latents[rows, :, -1]                                   # [b, K, C, F, h, w] the committed blocks
         b, K = x0.shape[:2]
-        # per stream one generator keyed by its global row: its levels, then its noise (any number of processes,
-        # and after a resume, draw the same)
-        gens = [ctx.generator(int(batch.global_rows[r])) for r in rows.tolist()]
+        # per stream one generator keyed by its global row (algo.group_noise: by its group): its levels, then its
+        # noise (any number of processes, and after a resume, draw the same)
+        G = batch.plan.group_size
+        gens = [ctx.generator(int(batch.global_rows[r]) // G, 1) if cfg.group_noise
+                else ctx.generator(int(batch.global_rows[r])) for r in rows.tolist()]
         sigma = torch.stack([self.block_sigmas(g) for g in gens]).to(x0.device)          # [b, K]
         eps = keyed_noise(x0, gens)
         x_t, _ = renoise(x0.flatten(0, 1), sigma.flatten(), eps.flatten(0, 1))
