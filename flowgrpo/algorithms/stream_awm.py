@@ -16,7 +16,8 @@ block schedule). With ``algo.group_noise`` the ``G`` streams of a group draw the
 random numbers): the loss's gradient then differs between members only through their clean blocks, and the part
 that depends on the draw alone, the same for every member, cancels against the group's zero-mean advantages
 instead of adding noise to every update. All ``K`` noisy blocks are then denoised in **one forward** over
-``[the stream's clean blocks; its noisy blocks]`` under the teacher-forcing mask of :func:`~flowgrpo.models.causal_wan.teacher_forcing_mask`
+``[the stream's clean blocks; its noisy blocks]`` under the teacher-forcing mask of
+:func:`~flowgrpo.models.causal_wan.teacher_forcing_mask`
 (``UpdateContext.teacher_forced_velocity``, ``StreamAdapter.teacher_forced_velocity``): each noisy block attends
 to itself and to the clean frames the stream's cache held for it (sink and window as the model streams; after a
 re-cache at a prompt switch, the window re-written under the new prompt), each frame under its own segment's
