@@ -414,6 +414,42 @@ def streaming_runs_table() -> str:
     return _table(["run", "0", "10", "20", "wall (evaluations included)"], rows)
 
 
+STREAM_ONE_OBJECT = "stream_one_object.json"
+
+
+def _change(metric: dict) -> str:
+    """``+0.031 ± 0.009`` of a paired metric (scripts/paired_eval.py), the change and its standard error."""
+    return f"{metric['change']:+.3f} ± {metric['stderr']:.3f}"
+
+
+def stream_one_object_table() -> str:
+    """The streaming page's table: per method and seed, the paired held-out change of the long-video reward and its
+    motion and identity components on one-object streams, and the wall clock of the run."""
+    data = load(STREAM_ONE_OBJECT)
+    rows = []
+    for label, arm in data["arms"].items():
+        for run in arm["runs"]:
+            m = run["metrics"]
+            rows.append([f"{label}, seed {run['seed']}", f"{m['reward']['base']:.3f} → {m['reward']['trained']:.3f}",
+                         f"**{_change(m['reward'])}**",
+                         *(_change(m[c]) for c in ("direction", "speed", "adherence", "identity", "anti_freeze")),
+                         f"{run['seconds'] / 60:.1f} min"])
+    return _table(["method, seed", "reward", "change", "direction", "speed", "adherence", "identity", "anti-freeze",
+                   "run"], rows)
+
+
+def stream_apart_table() -> str:
+    """The same runs on the streams held-out file, per tag (one- and two-object streams apart)."""
+    data = load(STREAM_ONE_OBJECT)
+    rows = []
+    for label, arm in data["apart"].items():
+        for run in arm["runs"]:
+            tags = run["by_tag"]
+            rows.append([f"{label}, seed {run['seed']}",
+                         *(_change(tags[f"by_tag/{t}/reward"]) for t in ("one_object_stream", "two_object_stream"))])
+    return _table(["method, seed", "one-object streams", "two-object streams"], rows)
+
+
 # ---------------------------------------------------------------- performance.md: time to reward, iteration cost
 
 TIME_TO_REWARD_LABELS = {
@@ -806,6 +842,8 @@ BLOCKS = {
     "pref-grpo-runs": (DOCS / "pref_grpo.md", pref_grpo_runs),
     "slas-runs": (DOCS / "slas.md", slas_runs),
     "streaming-summary": (DOCS / "streaming-video.md", streaming_summary),
+    "stream-one-object": (DOCS / "streaming-video.md", stream_one_object_table),
+    "stream-apart": (DOCS / "streaming-video.md", stream_apart_table),
     "time-to-reward": (DOCS / "performance.md", time_to_reward_table),
     "video-time-to-reward": (DOCS / "performance.md", video_time_to_reward_table),
     "iteration-cost": (DOCS / "performance.md", iteration_cost_table),

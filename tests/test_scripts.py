@@ -544,3 +544,39 @@ def test_paired_eval_scores_base_and_checkpoint_on_the_trainers_held_out_jobs(tm
     assert s["stderr"] == pytest.approx(1 / math.sqrt(3)) and s["base"] == 1.0 and s["trained"] == 2.0
     with pytest.raises(SystemExit, match="config.yaml"):
         paired_eval.main([str(tmp_path)])
+
+
+def test_paired_report_puts_methods_seeds_and_tags_side_by_side(tmp_path):
+    """scripts/paired_report.py: per run its seed and wall clock (from the run directory), its paired metrics as
+    paired_eval wrote them, per arm the mean change over runs, the per-tag evaluation apart, and a PNG."""
+    report = load_script("paired_report")
+
+    def run_dir(name, seed, minutes):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.yaml").write_text(f"trainer:\n  seed: {seed}\n  iterations: 36\n")
+        (d / "train.log").write_text(f"2026-12-06 04:00:00,000 INFO flowgrpo: code\n2026-12-06 04:{minutes:02d}:30,500 "
+                                     "INFO flowgrpo: summary\n")
+        return str(d)
+
+    def metric(change, se=0.01):
+        return {"n": 200, "base": 0.39, "trained": 0.39 + change, "change": change, "stderr": se, "improved": 0.5,
+                "worse": 0.4}
+
+    runs = [{"run": run_dir(f"s{s}", s, 14 + s), "iteration": 36,
+             "metrics": {"reward": metric(c), "direction": metric(2 * c), "segment1/speed": metric(c),
+                         "segments_strict": metric(0.0), "recovery": {"n": 0},
+                         "by_tag/one_object_stream/reward": metric(c), "by_tag/two_object_stream/reward": metric(-c)},
+             "samples": {"base": {}, "trained": {}}} for s, c in ((0, 0.02), (1, 0.04))]
+    (tmp_path / "arm.json").write_text(json.dumps({"prompts": 100, "samples": 2, "runs": runs}))
+    out = report.main(["--arm", f"AWM={tmp_path / 'arm.json'}", "--apart", f"AWM={tmp_path / 'arm.json'}",
+                       "--out", str(tmp_path / "report")])
+    arm = out["arms"]["AWM"]
+    assert [(r["seed"], r["seconds"]) for r in arm["runs"]] == [(0, 870.5), (1, 930.5)]
+    assert arm["mean"]["reward"]["change"] == pytest.approx(0.03) and arm["mean"]["direction"]["change"] == pytest.approx(0.06)
+    assert "recovery" not in arm["runs"][0]["metrics"]                    # a metric no sample had is left out
+    assert set(out["apart"]["AWM"]["runs"][1]["by_tag"]) == {"by_tag/one_object_stream/reward",
+                                                            "by_tag/two_object_stream/reward"}
+    assert json.loads((tmp_path / "report.json").read_text()) == out and (tmp_path / "report.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="LABEL=PATH"):
+        report.main(["--arm", "no-label", "--out", str(tmp_path / "x")])

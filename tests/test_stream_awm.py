@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,8 @@ from samplers import chunked_rollout, stream_sigmas
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+ROOT = Path(__file__).resolve().parents[1]
+CONF = str(ROOT / "conf")
 STEPS = 3
 
 
@@ -345,17 +347,21 @@ def make_cfg(out, *overrides):
         return compose("train", overrides=[*BASE, f"trainer.output_dir={out}", *overrides])
 
 
-def test_the_module_registers_a_streaming_algorithm_and_its_preset_is_streaming_grpos_world():
+def test_the_module_registers_a_streaming_algorithm_and_its_preset_trains_one_object_streams():
     assert ALGORITHMS["stream_awm"].streaming and ALGORITHMS["stream_awm"].__module__.endswith(".stream_awm")
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         ours = compose("train", overrides=["experiment=stream_awm_shapes"])
         grpo = compose("train", overrides=["experiment=stream_grpo_shapes"])
     flowgrpo.config.validate(ours)
-    assert ours.algo.name == "stream_awm" and not ours.algo.cfg_in_training
-    for group in ("model", "sampler", "reward", "data"):
+    assert ours.algo.name == "stream_awm" and not ours.algo.cfg_in_training and ours.algo.group_noise
+    for group in ("model", "sampler", "reward"):  # streaming GRPO's model, sampler and reward ...
         assert ours[group] == grpo[group], group
-    ours.trainer.lr = grpo.trainer.lr  # each method its own probed learning rate; the budget is the same
-    assert ours.trainer == grpo.trainer
+    # ... on one-object streams: trained on those of the streams training file, held out on their own file
+    assert ours.data.train_file == grpo.data.train_file and list(ours.data.train_tags) == ["one_object_stream"]
+    held_out = [json.loads(line) for line in (ROOT / ours.data.test_file).read_text().splitlines()]
+    assert len(held_out) == 100 and {m["tag"] for m in held_out} == {"one_object_stream"}
+    t = ours.trainer
+    assert t.prompts_per_iteration * t.group_size == t.train_batch_size * t.gradient_accumulation_steps
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         bad = compose("train", overrides=["experiment=stream_awm_shapes", "algo.cfg_in_training=true"])
     with pytest.raises(flowgrpo.config.ConfigError, match="algo.cfg_in_training"):
@@ -368,7 +374,9 @@ def test_one_iteration_trains_and_a_run_resumes_exactly(tmp_path):
     gradient); two iterations straight == one, a checkpoint, a resume and one more."""
     from flowgrpo.trainer import Trainer
 
-    straight = Trainer(make_cfg(tmp_path / "a"), tmp_path / "a")
+    TERMS = ("algo.ema_kl_beta=1.0", "algo.kl_beta=0.001")  # the preset has neither; both are exercised here
+
+    straight = Trainer(make_cfg(tmp_path / "a", *TERMS), tmp_path / "a")
     assert isinstance(straight.algorithm, StreamAWM) and straight.batch.trained_steps == 1
     assert straight.algorithm.time_shift == pytest.approx(3.0, rel=1e-5)
     calls = []
@@ -387,10 +395,10 @@ def test_one_iteration_trains_and_a_run_resumes_exactly(tmp_path):
     assert straight.updates == 1 and not all(torch.equal(p, q) for p, q in zip(start, straight.params))
     rewards = [first["reward/mean"], straight.step()["reward/mean"]]
 
-    other = Trainer(make_cfg(tmp_path / "b"), tmp_path / "b")
+    other = Trainer(make_cfg(tmp_path / "b", *TERMS), tmp_path / "b")
     resumed_rewards = [other.step()["reward/mean"]]
     assert other.save_checkpoint() is not None
-    resumed = Trainer(make_cfg(tmp_path / "b", "trainer.resume=auto"), tmp_path / "b")
+    resumed = Trainer(make_cfg(tmp_path / "b", *TERMS, "trainer.resume=auto"), tmp_path / "b")
     resumed.maybe_resume()
     assert resumed.iteration == 1 and resumed.algorithm.ema.weights is not None
     resumed_rewards.append(resumed.step()["reward/mean"])
