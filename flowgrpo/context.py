@@ -1,7 +1,8 @@
 """The trainer's side of the algorithm contract: :class:`TrainerContext`, the
-:class:`~flowgrpo.algorithms.UpdateContext` an algorithm's update (and its own rollout, if it has one) reaches the
-model through — the trained transformer's velocity with the training guidance and autocast, the reference policy,
-generators keyed by the run's seed, and a streaming model's cache operations.
+:class:`~flowgrpo.algorithms.UpdateContext` an algorithm's update reaches the model through — the trained
+transformer's velocity with the training guidance and autocast, the reference policy, generators keyed by the run's
+seed, and a streaming model's cache operations. (A rollout reaches the model through
+:class:`~flowgrpo.rollout.SamplingModel` instead.)
 """
 
 from __future__ import annotations
@@ -87,13 +88,3 @@ class TrainerContext(UpdateContext):
     def teacher_forced_velocity(self, clean, noisy, sigma, cond):
         with self._trainer.acc.autocast():
             return self._stream().teacher_forced_velocity(clean, noisy, sigma, cond, transformer=self._module)
-
-    def noise(self, generators):
-        return self._trainer.adapter.prepare_noise(len(generators), generator=list(generators),
-                                                   **self._trainer.model_kw["size"])
-
-    @property
-    def stream_layout(self):
-        c = self._stream().config
-        return {"block_frames": c.block_frames, "sink_frames": c.sink_frames, "window_frames": c.window_frames,
-                "cache_frames": c.cache_frames, "recache": c.recache}

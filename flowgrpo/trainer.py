@@ -1,7 +1,8 @@
 """The GRPO loop. One iteration is six phases, in this order and named so below:
 
 1. **plan** — pick this iteration's prompts; the algorithm decides which steps are stochastic and trained.
-2. **rollout** — G samples per prompt, batched, no grad; latents and exact log-probs recorded.
+2. **rollout** — G samples per prompt, batched, no grad; latents and exact log-probs recorded. The algorithm's
+   :class:`~flowgrpo.rollout.Rollout` samples them (``self.rollout_engine``).
 3. **score** — decode and run the reward, keeping every component.
 4. **advantage** — group-relative normalisation over the *global* batch (gathered across processes).
 5. **update** — the algorithm's loss (``Algorithm.loss``: PPO-clip on rescored log-probs for the GRPO family) over
@@ -19,7 +20,6 @@ global index)`` (:mod:`flowgrpo.seeding`), never from a process-local stream, so
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
@@ -32,8 +32,6 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from samplers import chunked_rollout, ragged_rollout
-
 from .advantages import RewardAggregator, advantage_stats, component_group_stats
 from .algorithms import Batch, build_algorithm
 from .build import (batch_plan, build_adapter, build_sampler, check_output_dir, checkpoint_bytes, model_kwargs, preflight,
@@ -44,9 +42,10 @@ from .curriculum import CGPOCurriculum
 from .evaluation import EvalSamples, held_out_jobs, score_jobs
 from .finetune import EMA, frozen_reference, gathers_state, prepare_trainable
 from .gallery import Gallery
+from .rollout import SamplingModel
 from .run_state import RunState
 from .runlog import log, run_log
-from .seeding import NOISE_STREAM, ORDER_STREAM, PROMPTS_STREAM, SDE_STREAM
+from .seeding import ORDER_STREAM, PROMPTS_STREAM
 from .seeding import seeded_generator as _gen
 
 __all__ = ["Trainer", "Batch", "TrainerContext", "NonFiniteError"]
@@ -130,6 +129,13 @@ class Trainer(RunState):
         self.algorithm = build_algorithm(cfg.algo, cfg.sampler, self.sampler.sigmas, chunks=chunks)
         self.batch = batch_plan(cfg, self.world, trained_steps=self.algorithm.trained_steps())
         self._check_rollout_memory()
+        # phase 2's engine, the algorithm's choice (flowgrpo.rollout): it samples through the adapter with the run's
+        # guidance, noise size and autocast, and honours a stop request between its chunks of rows
+        sampling = SamplingModel(self.adapter, guidance=self.model_kw["guidance"], size=self.model_kw["size"],
+                                 autocast=self.acc.autocast)
+        self.rollout_engine = self.algorithm.make_rollout(sampling, seed=t.seed,
+                                                          batch_size=self.batch.rollout_batch_per_process,
+                                                          between_chunks=lambda: self._check_stop("rollout"))
         self.policy = TrainerContext(self)
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
                                            weight_decay=t.weight_decay)
@@ -217,18 +223,7 @@ class Trainer(RunState):
         describe = getattr(self.reward, "describe", None)
         return describe() if callable(describe) else str(self.cfg.reward.name)
 
-    # ------------------------------------------------------------------ velocity
-    def _velocity_fn(self, cond, *, guidance: dict | None = None):
-        """``velocity(x, sigma)`` under ``cond``; with ``cond=None``, ``velocity(x, sigma, cond)`` (a chunked
-        rollout passes each chunk's conditioning)."""
-        guidance = self.model_kw["guidance"] if guidance is None else guidance
-
-        def velocity(x, sigma, chunk_cond=None):
-            with self.acc.autocast():
-                return self.adapter.velocity(x, sigma, cond if chunk_cond is None else chunk_cond, **guidance)
-
-        return velocity
-
+    # ------------------------------------------------------------------ conditioning
     def _encode(self, prompts: list[str], metadata: list[dict] | None = None):
         g = self.model_kw["guidance"]
         kwargs = {k: v for k, v in g.items() if k != "guidance_scale"}
@@ -238,15 +233,6 @@ class Trainer(RunState):
             return self.adapter.encode_prompts(prompts, self.model_kw["negative_prompt"],
                                                guidance_scale=g["guidance_scale"],
                                                max_sequence_length=self.model_kw["max_sequence_length"], **kwargs)
-
-    def _noise(self, n_groups: int, group_keys: list[int], rows_per_group: int, shared: bool, stream: tuple) -> torch.Tensor:
-        size = self.model_kw["size"]
-        if shared:
-            gens = [_gen(*stream, k) for k in group_keys]
-            return self.adapter.prepare_noise(n_groups * rows_per_group, generator=gens, group_size=rows_per_group,
-                                              shared=True, **size)
-        gens = [_gen(*stream, k * rows_per_group + j) for k in group_keys for j in range(rows_per_group)]
-        return self.adapter.prepare_noise(n_groups * rows_per_group, generator=gens, **size)
 
     # ------------------------------------------------------------------ 1. plan
     def plan(self, iteration: int) -> Batch:
@@ -275,106 +261,14 @@ class Trainer(RunState):
 
     # ------------------------------------------------------------------ 2. rollout
     def rollout(self, batch: Batch, iteration: int, *, trained_weights: bool = False) -> Batch:
-        """Sample the batch's trajectories with the weights the algorithm samples from
-        (``Algorithm.sampling_policy``: the trained ones for the GRPO family; an old policy for KVPO and
-        DiffusionNFT), or with ``trained_weights`` the weights being trained whatever the algorithm samples with
-        (what a diagnostic of an update's effect re-rolls)."""
+        """Sample the batch's trajectories with the algorithm's rollout (``self.rollout_engine``, a
+        :class:`~flowgrpo.rollout.Rollout`) and the weights the algorithm samples from (``Algorithm.sampling_policy``:
+        the trained ones for the GRPO family; an old policy for KVPO and DiffusionNFT), or with ``trained_weights``
+        the weights being trained whatever the algorithm samples with (what a diagnostic of an update's effect
+        re-rolls)."""
         self.policy.iteration, self.policy.epoch = iteration, 0
-        with contextlib.nullcontext() if trained_weights else self.algorithm.sampling_policy(self.policy):
-            own = self.algorithm.rollout(self.policy, batch)
-            return own if own is not None else self._sample(batch, iteration)
-
-    @torch.no_grad()
-    def _sample(self, batch: Batch, iteration: int) -> Batch:
-        """Sample the batch's trajectories in chunks of the rollout batch size.
-
-        Rows are stepped together (``samplers.ragged_rollout``): one batched velocity call per step over every row
-        still running, each at its own σ. When a group shares its initial noise (``algo.shared_noise``), its
-        members are identical up to their first SDE step, so that deterministic prefix is integrated once per
-        prompt and then copied to the G members. With ``plan.tail_ratio < 1`` each row ends on its own compressed
-        tail: the states up to one after its last SDE step are on the plan's grid, the final sample goes to the last
-        index and the states in between, never visited, are NaN (``RolloutPlan.tail_ratio``).
-        """
-        t, G = self.cfg.trainer, self.cfg.trainer.group_size
-        plan = batch.plan
-        n = len(batch.prompts)
-        shared = bool(self.algorithm.shared_noise)
-        group_ids = (batch.global_rows // G)[::G].tolist()
-        noise = self._noise(len(group_ids), group_ids, G, shared, (t.seed, NOISE_STREAM, iteration))
-        sde_gens = [_gen(t.seed, SDE_STREAM, iteration, int(r)) for r in batch.global_rows]
-        if plan.chunked:
-            if self.algorithm.records_means:
-                raise ValueError(f"algo={self.algorithm.name} records each SDE step's mean, which the streaming "
-                                 "rollout does not: choose an algorithm for a streaming model")
-            return self._sample_chunked(batch, noise, sde_gens)
-        steps = plan.num_steps
-        latents = torch.empty(n, steps + 1, *noise.shape[1:], dtype=torch.float32, device=noise.device)
-        log_probs = torch.zeros(n, steps, dtype=torch.float32, device=noise.device)
-        record = bool(self.algorithm.records_means)
-        means = (torch.full((n, steps, *noise.shape[1:]), float("nan"), dtype=torch.float32, device=noise.device)
-                 if record else None)
-        nfe = 0
-        chunk = self.batch.rollout_batch_per_process
-        if shared:
-            chunk = max(G, chunk - chunk % G)  # whole groups per chunk
-        last = plan.last_sde_step() if plan.tail_ratio < 1 else None
-        velocity = self._velocity_fn(None)
-        for start in range(0, n, chunk):
-            if start:
-                self._check_stop("rollout")  # a stop request is honoured between chunks, not after the whole batch
-            rows = torch.arange(start, min(start + chunk, n))
-            # each row on its grid: the plan's, or with a compressed tail (Flash-GRPO) the plan's up to one after
-            # its last SDE step, then its own tail; every step is one batched call over the rows still running
-            grids = [plan.sigmas if last is None else plan.row_sigmas(int(last[r])) for r in rows.tolist()]
-            masks = [plan.sde_mask[r, : g.shape[0] - 1] for r, g in zip(rows.tolist(), grids)]
-            leaders = (torch.arange(len(rows)) // G * G) if shared else None  # a group's ODE prefix once
-            traj = ragged_rollout(lambda x, sigma, sub, rows=rows: velocity(x, sigma, batch.cond[rows[sub.cpu()]]),
-                                  noise[rows], grids, masks, leaders=leaders, kernel=plan.kernel,
-                                  noise_level=plan.noise_level, solver=plan.solver,
-                                  generator=[sde_gens[r] for r in rows.tolist()], record_means=record)
-            nfe += traj.nfe
-            final = traj.final  # gathered once: the property indexes the whole chunk
-            for j, r in enumerate(rows.tolist()):
-                m = int(traj.lengths[j])
-                if m == steps:
-                    latents[r], log_probs[r] = traj.latents[j, : steps + 1], traj.log_probs[j, :steps]
-                    if record:
-                        means[r] = traj.means[j, :steps]
-                else:  # the states up to one after the last SDE step are on the plan's grid; then NaN, the final
-                    l = int(last[r])
-                    latents[r, : l + 2], latents[r, l + 2:steps] = traj.latents[j, : l + 2], float("nan")
-                    latents[r, steps] = final[j]
-                    log_probs[r, : l + 1] = traj.log_probs[j, : l + 1]
-                    if record:
-                        means[r, : l + 1] = traj.means[j, : l + 1]
-        batch.latents, batch.log_probs, batch.means, batch.nfe = latents, log_probs, means, nfe
-        return batch
-
-    def _sample_chunked(self, batch: Batch, noise: torch.Tensor, sde_gens: list[torch.Generator]) -> Batch:
-        """A streaming model's rollout (``samplers.chunked_rollout``): block after block, each written into the
-        model's cache by ``adapter.commit``; every block's conditioning is kept (``batch.chunk_conds``) so the update
-        rescores a transition under the context it was sampled with."""
-        plan = batch.plan
-        n = len(batch.prompts)
-        chunk = self.batch.rollout_batch_per_process
-        latents, log_probs, conds = [], [], []
-        nfe = 0
-        for start in range(0, n, chunk):
-            if start:
-                self._check_stop("rollout")
-            rows = torch.arange(start, min(start + chunk, n))
-            traj = chunked_rollout(self._velocity_fn(None), self.adapter.commit, noise[rows],
-                                   plan.sigmas, plan.sde_mask[rows], cond=batch.cond[rows], kernel=plan.kernel,
-                                   noise_level=plan.noise_level, solver=plan.solver,
-                                   generator=[sde_gens[r] for r in rows.tolist()])
-            latents.append(traj.latents)
-            log_probs.append(traj.log_probs)
-            conds.append(traj.conds)
-            nfe += traj.nfe * len(rows)
-        batch.latents, batch.log_probs, batch.nfe = torch.cat(latents), torch.cat(log_probs), nfe
-        batch.chunk_conds = [conds[0][c] if len(conds) == 1 else type(conds[0][c]).cat([part[c] for part in conds])
-                             for c in range(plan.num_chunks)]
-        return batch
+        with nullcontext() if trained_weights else self.algorithm.sampling_policy(self.policy):
+            return self.rollout_engine(batch, iteration)
 
     # ------------------------------------------------------------------ 3. score
     @torch.no_grad()

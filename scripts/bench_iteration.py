@@ -309,7 +309,7 @@ def bench_pipeline(overrides: list[str], repeats: int, out_dir: Path) -> dict:
         with torch.no_grad():
             cond = trainer._encode(prompts)
             noise = trainer.adapter.prepare_noise(batch, generator=torch.Generator(trainer.device).manual_seed(0), **size)
-            sigmas, velocity = trainer.sampler.sigmas, trainer._velocity_fn(None)
+            sigmas, velocity = trainer.sampler.sigmas, trainer.rollout_engine.model.velocity_fn(None)
             ragged_rollout(lambda x, sigma, rows: velocity(x, sigma, cond[rows.cpu()]), noise, [sigmas] * batch,
                            [torch.zeros(steps, dtype=torch.bool)] * batch)
 

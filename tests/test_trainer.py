@@ -118,7 +118,8 @@ def test_shared_noise_computes_the_ode_prefix_once_per_prompt(tmp_path):
     from samplers import rollout
 
     noise = batch.latents[:, 0]
-    full = rollout(trainer._velocity_fn(batch.cond), noise, batch.plan.sigmas, torch.zeros(T, dtype=torch.bool))
+    velocity = trainer.rollout_engine.model.velocity_fn(batch.cond)
+    full = rollout(velocity, noise, batch.plan.sigmas, torch.zeros(T, dtype=torch.bool))
     torch.testing.assert_close(full.latents[:, : prefix + 1], batch.latents[:, : prefix + 1], atol=1e-5, rtol=1e-5)
 
 
@@ -149,8 +150,8 @@ def test_flash_grpo_compressed_tail_per_prompt(tmp_path, shared):
         grid = compress_tail(a.plan.sigmas, l, 0.4)
         m = grid.shape[0] - 1 - (l + 1)
         assert torch.isnan(b.latents[r, l + 2: T]).all() == (m < T - 1 - l) and torch.isfinite(b.latents[r, T]).all()
-        end = rollout(tail._velocity_fn(b.cond[[r]]), a.latents[r, l + 1: l + 2], grid[l + 1:], torch.zeros(m, dtype=torch.bool),
-                      solver="dpm++2m")
+        end = rollout(tail.rollout_engine.model.velocity_fn(b.cond[[r]]), a.latents[r, l + 1: l + 2], grid[l + 1:],
+                      torch.zeros(m, dtype=torch.bool), solver="dpm++2m")
         torch.testing.assert_close(b.latents[r, T], end.final[0], atol=1e-5, rtol=1e-5)
         nfe += l + 1 + m if not shared or r % G == 0 else m  # shared noise: the prefix and k_p's velocity once per prompt
     assert b.nfe == nfe < a.nfe
@@ -203,10 +204,10 @@ def test_sigterm_during_a_rollout_stops_before_its_next_chunk(tmp_path, monkeypa
     import os
     import signal
 
-    import flowgrpo.trainer as trainer_module
+    import flowgrpo.rollout as rollout_module
 
     trainer = Trainer(make_cfg(tmp_path, *ALGOS["flow_grpo"], "trainer.rollout_batch_size=2"), tmp_path)
-    real, chunks = trainer_module.ragged_rollout, []
+    real, chunks = rollout_module.ragged_rollout, []
 
     def rollout_then_signal(*args, **kwargs):
         chunks.append(len(args[1]))
@@ -214,7 +215,7 @@ def test_sigterm_during_a_rollout_stops_before_its_next_chunk(tmp_path, monkeypa
             os.kill(os.getpid(), signal.SIGTERM)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "ragged_rollout", rollout_then_signal)
+    monkeypatch.setattr(rollout_module, "ragged_rollout", rollout_then_signal)
     summary = trainer.fit()
     assert trainer.batch.rollout_batch_per_process == 2  # 4 samples: two chunks, of which only the first ran
     assert chunks == [2]

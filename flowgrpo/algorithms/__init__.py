@@ -1,5 +1,5 @@
-"""Algorithms as small modules plugging into the trainer's phases (``flowgrpo.trainer``): plan (1), advantage (4), the loss
-of the update (5).
+"""Algorithms as small modules plugging into the trainer's phases (``flowgrpo.trainer``): plan (1), the choice of
+rollout (2, :mod:`flowgrpo.rollout`), advantage (4), the loss of the update (5).
 
 * ``grpo`` — Flow-GRPO (arXiv 2505.05470) / DanceGRPO (arXiv 2505.07818): :class:`GRPO`;
 * ``mix_grpo`` — MixGRPO / MixGRPO-Flash (arXiv 2507.21802): :class:`MixGRPO`;

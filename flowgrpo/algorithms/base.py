@@ -1,15 +1,16 @@
 """What an algorithm is to the trainer: a plan for the rollout, an advantage, and the loss of its own update.
 
 The trainer's loop is ``plan → rollout → score → advantage → update → log/checkpoint``. An algorithm fills phase 1
-(:meth:`Algorithm.plan` → :class:`RolloutPlan`: which steps are stochastic, which are trained), may shape
-phase 4 (:meth:`Algorithm.advantages`) and owns the loss of phase 5 (:meth:`Algorithm.loss`). The trainer owns the
-loop around them: accumulation, clipping, the optimizer, EMA, logging, checkpoints. It reaches the model only
+(:meth:`Algorithm.plan` → :class:`RolloutPlan`: which steps are stochastic, which are trained), chooses the rollout
+of phase 2 (:meth:`Algorithm.make_rollout` → a :class:`~flowgrpo.rollout.Rollout`; the default integrates the plan),
+may shape phase 4 (:meth:`Algorithm.advantages`) and owns the loss of phase 5 (:meth:`Algorithm.loss`). The trainer
+owns the loop around them: accumulation, clipping, the optimizer, EMA, logging, checkpoints. It reaches the model only
 through an :class:`UpdateContext`, so an algorithm never touches the trainer's modules directly.
 
 >>> algo = build_algorithm(cfg.algo, cfg.sampler, sigmas)                    # doctest: +SKIP
 >>> plan = algo.plan(num_prompts, group_size, generator=gen)                 # phase 1
->>> traj = samplers.rollout(v, noise, plan.sigmas, plan.sde_mask, kernel=plan.kernel,
-...                         noise_level=plan.noise_level, solver=plan.solver)   # phase 2
+>>> rollout = algo.make_rollout(model, seed=seed, batch_size=8)              # once
+>>> batch = rollout(batch, iteration)                                        # phase 2: batch.plan sampled
 >>> adv = algo.advantages(rewards, group_size)                               # phase 4
 >>> loss, info = algo.loss(ctx, batch, rows, steps)                          # phase 5, per micro-batch and step
 >>> algo.end_iteration()                                                     # after the update
@@ -34,6 +35,7 @@ from samplers import KERNELS, SOLVERS, compress_tail, sde_bounds
 
 from ..advantages import group_advantages
 from ..config import AlgoConfig
+from ..rollout import PlanRollout, Rollout, SamplingModel
 
 __all__ = ["RolloutPlan", "Batch", "UpdateContext", "Algorithm", "ALGORITHMS", "build_algorithm"]
 
@@ -129,7 +131,7 @@ class RolloutPlan:
 
     def first_sde_step(self) -> torch.Tensor:
         """``LongTensor[N]``: each row's first SDE step (``T'`` when none). Steps before it are deterministic, so
-        when a group shares its initial noise the trainer integrates that prefix once per prompt
+        when a group shares its initial noise the rollout integrates that prefix once per prompt
         (:meth:`shared_prefix`) and branches the group there."""
         if self.num_chunks > 1:
             raise ValueError("a chunked plan has no shared deterministic prefix (each chunk starts from its own noise)")
@@ -229,7 +231,8 @@ class UpdateContext:
         algorithm uses beside the trained one (Flow-OPD's teachers); swap them in as :class:`OldPolicy` does."""
         raise NotImplementedError
 
-    # A streaming (stateful, chunk-by-chunk) model also offers these; an algorithm with its own rollout uses them.
+    # A streaming (stateful, chunk-by-chunk) model also offers these, for an update that replays whole streams
+    # (an algorithm's own rollout reaches the model through flowgrpo.rollout.SamplingModel instead).
 
     def commit(self, x0: torch.Tensor, cond: Any) -> Any:
         """Write the finished chunk ``x0`` into the model's state (no grad); the next chunk's conditioning. ``cond``
@@ -248,16 +251,6 @@ class UpdateContext:
         held (built from ``clean``, the committed blocks), under its own segment's prompt; no guidance. Block
         ``k``'s output equals :meth:`velocity` at ``(noisy[:, k], sigma[:, k])`` under block ``k``'s conditioning
         without guidance. Differentiable; inside :meth:`reference` it is the reference policy's."""
-        raise NotImplementedError
-
-    def noise(self, generators: list[torch.Generator]) -> torch.Tensor:
-        """Initial noise in the model's layout, one sample per generator (``[n, C, ...]`` chunked ``[n, K, ...]``)."""
-        raise NotImplementedError
-
-    @property
-    def stream_layout(self) -> dict[str, Any]:
-        """A streaming model's geometry: ``block_frames``, ``sink_frames``, ``window_frames``, ``cache_frames``,
-        ``recache``."""
         raise NotImplementedError
 
 
@@ -367,11 +360,18 @@ class Algorithm:
         the start-up banner; the trainer accumulates gradients over micro-batches × K."""
         raise NotImplementedError
 
-    def rollout(self, ctx: UpdateContext, batch: Batch) -> Batch | None:
-        """Phase 2 when the algorithm samples in its own way (KVPO's branched streams): fill ``batch`` (``latents``,
-        ``log_probs``, ``chunk_conds``, ``extras``, ``nfe``) through ``ctx`` and return it. ``None`` (the default):
-        the trainer's rollout of ``batch.plan``."""
-        return None
+    def make_rollout(self, model: SamplingModel, **engine: Any) -> Rollout:
+        """Phase 2's engine (:mod:`flowgrpo.rollout`): what samples this algorithm's plans. The default,
+        :class:`~flowgrpo.rollout.PlanRollout`, with the options this algorithm declares: one initial noise per group
+        (``algo.shared_noise``) and each SDE step's mean recorded (:attr:`records_means`). An algorithm that samples
+        in its own way (KVPO's routed branches) returns a :class:`~flowgrpo.rollout.Rollout` of its own.
+
+        Args:
+            model: what the rollout samples through (:class:`~flowgrpo.rollout.SamplingModel`).
+            engine: :class:`~flowgrpo.rollout.Rollout`'s keywords (``seed``, ``batch_size``, ``between_chunks``).
+        """
+        return PlanRollout(model, shared_noise=bool(self.cfg.shared_noise), record_means=bool(self.records_means),
+                           **engine)
 
     def local_advantages(self, batch: Batch) -> torch.Tensor | None:
         """Phase 4 from this process's own whole groups (``batch.rewards`` and ``batch.components``), for an

@@ -14,7 +14,7 @@
 Flash-GRPO places its own SDE step; the sampler gives the schedule, kernel, noise level and the ODE solver.
 
 **Cheaper rollouts** (ours; neither changes the trained transition's distribution). With ``algo.shared_noise`` a
-group's members are identical up to ``k_p``, so the trainer integrates that ODE prefix once per prompt. With
+group's members are identical up to ``k_p``, so the rollout integrates that ODE prefix once per prompt. With
 ``algo.compress_ratio < 1`` the ODE steps after ``k_p`` only have to reach a decodable sample: they run on
 ``max(1, ⌊n·ratio⌋)`` steps uniform in σ (``samplers.compress_tail``, the MixGRPO-Flash tail, per prompt since
 ``k_p`` is), best with ``sampler.solver=dpm++2m``. ``experiment=flash_grpo_fast`` turns both on.

@@ -89,7 +89,7 @@ class GRPOGuard(GRPO):
         ``1/|Δσ|`` of each step with ``algo.step_reweight``."""
         if batch.means is None:
             raise ValueError("algo=grpo_guard needs each SDE step's mean from the rollout (Batch.means), which the "
-                             "trainer records for it; a batch built by hand must fill it")
+                             "rollout records for it; a batch built by hand must fill it")
         if batch.plan.chunked:
             raise ValueError("algo=grpo_guard trains a model that generates in one chunk, not a streaming model")
         rows, steps = rows.to(batch.means.device), steps.to(batch.means.device)

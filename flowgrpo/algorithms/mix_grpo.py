@@ -10,7 +10,7 @@ steps up to the window's end are never compressed, so trained step indices are t
 
 Every member of a group sees ODE steps only before the window, so with shared initial noise
 (``algo.shared_noise``, on by default as in MixGRPO) the prefix ``0 … l−1`` is the same for the whole group
-(:meth:`~flowgrpo.algorithms.base.RolloutPlan.shared_prefix`): the trainer integrates it once per prompt.
+(:meth:`~flowgrpo.algorithms.base.RolloutPlan.shared_prefix`): the rollout integrates it once per prompt.
 """
 
 from __future__ import annotations

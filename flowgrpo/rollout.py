@@ -1,0 +1,224 @@
+"""Phase 2 of the loop, the rollout: sample a batch's trajectories for its plan.
+
+A :class:`Rollout` is called as ``rollout(batch, iteration)``: it fills ``batch.latents``, ``batch.log_probs`` and
+``batch.nfe`` (and, where its options or its kind say so, ``batch.means``, ``batch.chunk_conds`` and
+``batch.extras``) with no gradient, and returns the batch. The trainer calls it inside the algorithm's sampling
+policy (:meth:`~flowgrpo.algorithms.Algorithm.sampling_policy`), so a rollout never chooses its weights.
+
+Which rollout runs is the algorithm's choice (:meth:`~flowgrpo.algorithms.Algorithm.make_rollout`):
+
+- :class:`PlanRollout`, the default, integrates the plan as it stands: ``plan.sde_mask``'s steps on the plan's
+  kernel, the others with its ODE solver, rows batched in chunks of the rollout batch size. Its options are what an
+  algorithm declares: ``shared_noise`` (one initial noise per group, whose deterministic prefix is then integrated
+  once per prompt) and ``record_means`` (each SDE step's mean, for GRPO-Guard's ratio). A plan with
+  ``tail_ratio < 1`` (Flash-GRPO) ends every row on its own compressed tail. A streaming model's plan (a chunk
+  axis) is integrated block by block.
+- an algorithm that samples in a way of its own returns a :class:`Rollout` subclass of its own (KVPO's routed
+  branches: :class:`~flowgrpo.algorithms.kvpo.BranchedRollout`).
+
+Every rollout reaches the model through a :class:`SamplingModel` (the adapter with the run's guidance, noise size
+and autocast) and draws from generators keyed by ``(trainer.seed, stream, iteration, global index)``
+(:mod:`flowgrpo.seeding`), so the same batch samples the same trajectories on any number of processes.
+
+>>> rollout = algorithm.make_rollout(SamplingModel(adapter, guidance=..., size=...),
+...                                  seed=0, batch_size=8)                          # doctest: +SKIP
+>>> batch = rollout(batch, iteration)                                               # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Callable, ContextManager
+
+import torch
+
+from samplers import chunked_rollout, ragged_rollout
+
+from .seeding import NOISE_STREAM, SDE_STREAM, seeded_generator
+
+if TYPE_CHECKING:
+    from .algorithms.base import Batch
+
+__all__ = ["SamplingModel", "Rollout", "PlanRollout"]
+
+
+class SamplingModel:
+    """What a rollout samples through: the model adapter called with the run's guidance and under its autocast, and
+    the size of its initial noise.
+
+    Args:
+        adapter: the model adapter (``flowgrpo.models``); its transformer is whatever weights are live when a
+            velocity is called.
+        guidance: the velocity's guidance keywords (``guidance_scale`` and the family's own;
+            ``flowgrpo.build.model_kwargs``' ``guidance``).
+        size: ``prepare_noise``'s size keywords (``height``, ``width``, ``num_frames``).
+        autocast: a context factory every velocity call runs in (``accelerator.autocast``).
+    """
+
+    def __init__(self, adapter, *, guidance: dict, size: dict,
+                 autocast: Callable[[], ContextManager] = contextlib.nullcontext):
+        self.adapter = adapter
+        self.guidance = guidance
+        self.size = size
+        self.autocast = autocast
+
+    def velocity_fn(self, cond, *, guidance: dict | None = None):
+        """``velocity(x, sigma)`` under ``cond``; with ``cond=None``, ``velocity(x, sigma, cond)`` (a chunked
+        rollout passes each chunk's conditioning). ``guidance`` replaces the run's guidance keywords."""
+        guidance = self.guidance if guidance is None else guidance
+
+        def velocity(x, sigma, chunk_cond=None):
+            with self.autocast():
+                return self.adapter.velocity(x, sigma, cond if chunk_cond is None else chunk_cond, **guidance)
+
+        return velocity
+
+    def noise(self, batch_size: int, generator, **kwargs) -> torch.Tensor:
+        """``batch_size`` initial noises in the model's layout (``prepare_noise``: ``generator`` one per sample, or
+        one per group with ``group_size=`` and ``shared=True``)."""
+        return self.adapter.prepare_noise(batch_size, generator=generator, **kwargs, **self.size)
+
+
+class Rollout:
+    """Phase 2: ``rollout(batch, iteration)`` samples ``batch``'s trajectories for ``batch.plan`` (the module
+    docstring says what it fills).
+
+    Args:
+        model: what it samples through (:class:`SamplingModel`).
+        seed: the run's seed (``trainer.seed``): every draw is keyed by it.
+        batch_size: samples per batched forward on this process (``BatchPlan.rollout_batch_per_process``).
+        between_chunks: called before each chunk of rows after the first; raising there abandons the rollout
+            (the trainer honours a stop request so).
+    """
+
+    def __init__(self, model: SamplingModel, *, seed: int, batch_size: int,
+                 between_chunks: Callable[[], None] | None = None):
+        self.model = model
+        self.seed = int(seed)
+        self.batch_size = int(batch_size)
+        self.between_chunks = between_chunks
+
+    def __call__(self, batch: "Batch", iteration: int) -> "Batch":
+        raise NotImplementedError
+
+    def _next_chunk(self) -> None:
+        if self.between_chunks is not None:
+            self.between_chunks()
+
+
+class PlanRollout(Rollout):
+    """The default rollout: the plan's SDE and ODE steps, rows batched (``samplers.ragged_rollout``), or block by
+    block for a streaming model's plan (``samplers.chunked_rollout``).
+
+    Args:
+        shared_noise: the members of a group start from one noise (``algo.shared_noise``); they are identical up to
+            their first SDE step, so that prefix is integrated once per prompt and copied to the members.
+        record_means: keep each SDE step's mean under the sampling policy (``Batch.means``; an algorithm that
+            ``records_means``).
+        model, seed, batch_size, between_chunks: :class:`Rollout`'s.
+    """
+
+    def __init__(self, model: SamplingModel, *, shared_noise: bool = False, record_means: bool = False, **kwargs):
+        super().__init__(model, **kwargs)
+        self.shared_noise = bool(shared_noise)
+        self.record_means = bool(record_means)
+
+    def _noise(self, n_groups: int, group_keys: list[int], rows_per_group: int, shared: bool,
+               stream: tuple) -> torch.Tensor:
+        if shared:
+            gens = [seeded_generator(*stream, k) for k in group_keys]
+            return self.model.noise(n_groups * rows_per_group, gens, group_size=rows_per_group, shared=True)
+        gens = [seeded_generator(*stream, k * rows_per_group + j) for k in group_keys for j in range(rows_per_group)]
+        return self.model.noise(n_groups * rows_per_group, gens)
+
+    @torch.no_grad()
+    def __call__(self, batch: "Batch", iteration: int) -> "Batch":
+        """Sample the batch's trajectories in chunks of the rollout batch size.
+
+        Rows are stepped together (``samplers.ragged_rollout``): one batched velocity call per step over every row
+        still running, each at its own σ. When a group shares its initial noise (``shared_noise``), its members are
+        identical up to their first SDE step, so that deterministic prefix is integrated once per prompt and then
+        copied to the G members. With ``plan.tail_ratio < 1`` each row ends on its own compressed tail: the states
+        up to one after its last SDE step are on the plan's grid, the final sample goes to the last index and the
+        states in between, never visited, are NaN (``RolloutPlan.tail_ratio``).
+        """
+        plan = batch.plan
+        G = plan.group_size
+        n = len(batch.prompts)
+        shared = self.shared_noise
+        group_ids = (batch.global_rows // G)[::G].tolist()
+        noise = self._noise(len(group_ids), group_ids, G, shared, (self.seed, NOISE_STREAM, iteration))
+        sde_gens = [seeded_generator(self.seed, SDE_STREAM, iteration, int(r)) for r in batch.global_rows]
+        if plan.chunked:
+            if self.record_means:
+                raise ValueError("the algorithm records each SDE step's mean, which the streaming rollout does "
+                                 "not: choose an algorithm for a streaming model")
+            return self._sample_chunked(batch, noise, sde_gens)
+        steps = plan.num_steps
+        latents = torch.empty(n, steps + 1, *noise.shape[1:], dtype=torch.float32, device=noise.device)
+        log_probs = torch.zeros(n, steps, dtype=torch.float32, device=noise.device)
+        record = self.record_means
+        means = (torch.full((n, steps, *noise.shape[1:]), float("nan"), dtype=torch.float32, device=noise.device)
+                 if record else None)
+        nfe = 0
+        chunk = self.batch_size
+        if shared:
+            chunk = max(G, chunk - chunk % G)  # whole groups per chunk
+        last = plan.last_sde_step() if plan.tail_ratio < 1 else None
+        velocity = self.model.velocity_fn(None)
+        for start in range(0, n, chunk):
+            if start:
+                self._next_chunk()  # a stop request is honoured between chunks, not after the whole batch
+            rows = torch.arange(start, min(start + chunk, n))
+            # each row on its grid: the plan's, or with a compressed tail (Flash-GRPO) the plan's up to one after
+            # its last SDE step, then its own tail; every step is one batched call over the rows still running
+            grids = [plan.sigmas if last is None else plan.row_sigmas(int(last[r])) for r in rows.tolist()]
+            masks = [plan.sde_mask[r, : g.shape[0] - 1] for r, g in zip(rows.tolist(), grids)]
+            leaders = (torch.arange(len(rows)) // G * G) if shared else None  # a group's ODE prefix once
+            traj = ragged_rollout(lambda x, sigma, sub, rows=rows: velocity(x, sigma, batch.cond[rows[sub.cpu()]]),
+                                  noise[rows], grids, masks, leaders=leaders, kernel=plan.kernel,
+                                  noise_level=plan.noise_level, solver=plan.solver,
+                                  generator=[sde_gens[r] for r in rows.tolist()], record_means=record)
+            nfe += traj.nfe
+            final = traj.final  # gathered once: the property indexes the whole chunk
+            for j, r in enumerate(rows.tolist()):
+                m = int(traj.lengths[j])
+                if m == steps:
+                    latents[r], log_probs[r] = traj.latents[j, : steps + 1], traj.log_probs[j, :steps]
+                    if record:
+                        means[r] = traj.means[j, :steps]
+                else:  # the states up to one after the last SDE step are on the plan's grid; then NaN, the final
+                    l = int(last[r])
+                    latents[r, : l + 2], latents[r, l + 2:steps] = traj.latents[j, : l + 2], float("nan")
+                    latents[r, steps] = final[j]
+                    log_probs[r, : l + 1] = traj.log_probs[j, : l + 1]
+                    if record:
+                        means[r, : l + 1] = traj.means[j, : l + 1]
+        batch.latents, batch.log_probs, batch.means, batch.nfe = latents, log_probs, means, nfe
+        return batch
+
+    def _sample_chunked(self, batch: "Batch", noise: torch.Tensor, sde_gens: list[torch.Generator]) -> "Batch":
+        """A streaming model's rollout (``samplers.chunked_rollout``): block after block, each written into the
+        model's cache by ``adapter.commit``; every block's conditioning is kept (``batch.chunk_conds``) so the update
+        rescores a transition under the context it was sampled with."""
+        plan = batch.plan
+        n = len(batch.prompts)
+        chunk = self.batch_size
+        latents, log_probs, conds = [], [], []
+        nfe = 0
+        for start in range(0, n, chunk):
+            if start:
+                self._next_chunk()
+            rows = torch.arange(start, min(start + chunk, n))
+            traj = chunked_rollout(self.model.velocity_fn(None), self.model.adapter.commit, noise[rows],
+                                   plan.sigmas, plan.sde_mask[rows], cond=batch.cond[rows], kernel=plan.kernel,
+                                   noise_level=plan.noise_level, solver=plan.solver,
+                                   generator=[sde_gens[r] for r in rows.tolist()])
+            latents.append(traj.latents)
+            log_probs.append(traj.log_probs)
+            conds.append(traj.conds)
+            nfe += traj.nfe * len(rows)
+        batch.latents, batch.log_probs, batch.nfe = torch.cat(latents), torch.cat(log_probs), nfe
+        batch.chunk_conds = [conds[0][c] if len(conds) == 1 else type(conds[0][c]).cat([part[c] for part in conds])
+                             for c in range(plan.num_chunks)]
+        return batch
