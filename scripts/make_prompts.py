@@ -54,9 +54,7 @@ def main() -> int:
     one_object = one_object_held_out(100, seed=args.seed + 1, exclude=train + test)
     files["streams_one_object_test.jsonl"] = _lines(one_object)
     counts = {name: collections.Counter(f"{r['tag']}/{len(r['segments']) - 1}_switches" for r in rows)
-              for name, rows in (("train", train), ("test", test))}
-    counts["one_object_test"] = collections.Counter(f"one_object_stream/{len(r['segments']) - 1}_switches"
-                                                    for r in one_object)
+              for name, rows in (("train", train), ("test", test), ("one_object_test", one_object))}
     print("streams", json.dumps({s: dict(sorted(c.items())) | {"total": sum(c.values())} for s, c in counts.items()}))
     if args.check:
         stale = [n for n, text in files.items() if not (args.out_dir / n).exists() or (args.out_dir / n).read_text() != text]

@@ -243,6 +243,12 @@ def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(torch.view_as_complex(pairs.contiguous()) * rotation).flatten(-2).type_as(x)
 
 
+def _frame_mask(call: _Call, device: torch.device) -> torch.Tensor:
+    """A full-mode call's frame mask on ``device`` as ``[B or 1, F, F]``."""
+    mask = call.mask.to(device)
+    return mask[None] if mask.ndim == 2 else mask
+
+
 def _gathers_frames(call: _Call, query: torch.Tensor) -> bool:
     """Whether a full-mode self-attention runs as :func:`_frame_attention`: on the CPU, where SDPA under a mask
     computes every query-key pair, when each query frame sees at most a third of the frames (a streaming mask:
@@ -250,8 +256,7 @@ def _gathers_frames(call: _Call, query: torch.Tensor) -> bool:
     if query.device.type != "cpu":
         return False
     if call.frame_keys is None:
-        mask = call.mask.to(query.device)
-        mask = mask[None] if mask.ndim == 2 else mask                                          # [B or 1, F, F]
+        mask = _frame_mask(call, query.device)
         width = int(mask.sum(-1).max())
         call.frame_keys = (None, None) if 3 * width > mask.shape[-1] else _frame_keys(mask, width)
     return call.frame_keys[0] is not None
@@ -272,12 +277,12 @@ def _frame_attention(query, key, value, call: _Call) -> torch.Tensor:
     B, S, H, D = query.shape
     T = call.tokens_per_frame
     F, W = S // T, idx.shape[-1]
+    # the key frames of every query frame: one list for the batch, or one per row
     rows = torch.arange(B, device=query.device)[:, None, None] if idx.shape[0] > 1 else slice(None)
     index = idx if idx.shape[0] > 1 else idx[0]
 
     def gathered(t):                                          # [B, S, H, D] -> [B·F, H, W·T, D]
-        t = t.unflatten(1, (F, T))[rows, index] if idx.shape[0] > 1 else t.unflatten(1, (F, T))[:, index]
-        return t.flatten(2, 3).flatten(0, 1).transpose(1, 2)
+        return t.unflatten(1, (F, T))[rows, index].flatten(2, 3).flatten(0, 1).transpose(1, 2)
 
     q = query.unflatten(1, (F, T)).flatten(0, 1).transpose(1, 2)                 # [B·F, H, T, D]
     keep = valid.repeat_interleave(T, dim=-1).expand(B, F, W * T).reshape(B * F, 1, 1, W * T)
@@ -305,20 +310,19 @@ class _CausalSelfAttnProcessor:
             query, key = _rotate(query, call.rotation), _rotate(key, call.rotation)
         elif rotary_emb is not None:            # outside a stream: diffusers' arithmetic, unchanged
             query, key = _apply_rope(query, rotary_emb[0], rotary_emb[1]), _apply_rope(key, rotary_emb[0], rotary_emb[1])
-        mask = attention_mask
         if call is not None and call.mask is not None and _gathers_frames(call, query):
             out = _frame_attention(query, key, value, call)
-            return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(query)))
-        if call is not None and call.mask is not None:
-            if call.token_mask is None:
-                per = call.tokens_per_frame
-                frames = call.mask.to(query.device)
-                frames = frames[None] if frames.ndim == 2 else frames                          # [B or 1, F, F]
-                call.token_mask = frames.repeat_interleave(per, 1).repeat_interleave(per, 2)[:, None]
-            mask = call.token_mask
-        elif call is not None and call.cache is not None:
-            key, value = self._with_cache(call, key, value)
-        out = dispatch_attention_fn(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False)
+        else:
+            mask = attention_mask
+            if call is not None and call.mask is not None:
+                if call.token_mask is None:
+                    per = call.tokens_per_frame
+                    frames = _frame_mask(call, query.device)                                # [B or 1, F, F]
+                    call.token_mask = frames.repeat_interleave(per, 1).repeat_interleave(per, 2)[:, None]
+                mask = call.token_mask
+            elif call is not None and call.cache is not None:
+                key, value = self._with_cache(call, key, value)
+            out = dispatch_attention_fn(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False)
         out = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
 

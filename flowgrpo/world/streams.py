@@ -316,16 +316,7 @@ def split_stream_prompts(seed: int = 0, n_train: int = 300, n_test: int = 100,
     the train set holds every class, colour, motion, speed, segment tag and number of switches. Each list is in
     generation order."""
     rng = np.random.default_rng(seed)
-    rows, seen = [], set()
-    for _ in range(100 * (n_train + n_test)):
-        if len(rows) == n_train + n_test:
-            break
-        meta = sample_stream_metadata(rng, num_frames)
-        if sequence_key(meta) not in seen:
-            seen.add(sequence_key(meta))
-            rows.append(meta)
-    else:
-        raise RuntimeError(f"could not draw {n_train + n_test} distinct stream prompt sequences")
+    rows = _distinct_streams(rng, n_train + n_test, num_frames, set())
     required = set().union(*(_words(m) for m in rows))
     for _ in range(1000):
         order = rng.permutation(len(rows))
@@ -343,17 +334,24 @@ def one_object_held_out(n: int = 100, seed: int = 1, exclude: Sequence[dict] = (
     """``n`` one-object streams of distinct prompt sequences, seeded, none of whose sequence is in ``exclude``
     (e.g. both parts of :func:`split_stream_prompts`): a held-out set of streams the training split does not hold,
     in generation order. Switches 1-3 as :func:`sample_stream_metadata` draws them."""
-    rng = np.random.default_rng(seed)
-    seen = {sequence_key(m) for m in exclude}
-    rows = []
+    return _distinct_streams(np.random.default_rng(seed), n, num_frames, {sequence_key(m) for m in exclude}, objects=1)
+
+
+def _distinct_streams(rng: np.random.Generator, n: int, num_frames: int, seen: set, **kwargs) -> list[dict]:
+    """``n`` streams (:func:`sample_stream_metadata` with ``kwargs``) whose prompt sequences differ from each other
+    and from ``seen`` (which gains theirs), in generation order; ``RuntimeError`` after ``100 n`` draws."""
+    rows: list[dict] = []
     for _ in range(100 * n):
         if len(rows) == n:
             return rows
-        meta = sample_stream_metadata(rng, num_frames, objects=1)
+        meta = sample_stream_metadata(rng, num_frames, **kwargs)
         if sequence_key(meta) not in seen:
             seen.add(sequence_key(meta))
             rows.append(meta)
-    raise RuntimeError(f"could not draw {n} one-object stream prompt sequences outside the {len(exclude)} excluded")
+    if len(rows) == n:
+        return rows
+    raise RuntimeError(f"could not draw {n} distinct stream prompt sequences ({kwargs or 'any objects'}) outside "
+                       f"the {len(seen) - len(rows)} already taken")
 
 
 # ---------------------------------------------------------------------------------------------- renderer
