@@ -889,11 +889,14 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
             flops["eval"] = results[-1].flops
         split_params = {"transformer": sum(p.numel() for p in unwrapped.parameters()),
                         "trainable": sum(p.numel() for p in params)}
+        block_bytes = max((sum(p.numel() * p.element_size() for p in block.parameters())
+                           for blocks in unwrapped.children() if isinstance(blocks, torch.nn.ModuleList)
+                           for block in blocks), default=0)
         modules = _module_table(components)
     finally:
         stack.close()
     if launcher == "fsdp":
-        _fsdp_arithmetic(results, modules, split_params, num_processes, notes)
+        _fsdp_arithmetic(results, modules, block_bytes, num_processes, notes)
     g_ = GPUS[gpu]
     return RunPlan(
         config=label, gpu=g_.name, gpu_bytes=g_.memory_bytes, num_processes=num_processes, launcher=launcher,
@@ -955,19 +958,18 @@ class _Phase:
         return False
 
 
-def _fsdp_arithmetic(results: list[PhasePlan], modules: list[dict], params: dict, P: int, notes: list[str]) -> None:
+def _fsdp_arithmetic(results: list[PhasePlan], modules: list[dict], block_bytes: int, P: int, notes: list[str]) -> None:
     """FSDP2 over ``P`` processes, arithmetically: the transformer's weights, and the gradients and optimizer state
-    of what it trains, divided by ``P``, plus two transformer blocks gathered in full (the one running and the
-    prefetched one; estimated as 2/num_blocks of the transformer)."""
+    (all of them the transformer's), divided by ``P``, plus two of its largest blocks gathered in full (the one
+    running and the prefetched one)."""
     transformer = next((m for m in modules if m["name"] == "transformer"), None)
     if transformer is None or P <= 1:
         return
-    blocks = 2 / 30  # the planned transformers have 24-57 blocks: 2/30 is an upper estimate of two blocks
-    saved = transformer["bytes"] * (1 - 1 / P - blocks)
+    saved = transformer["bytes"] * (1 - 1 / P) - 2 * block_bytes
     for p in results:
         p.split["weights"] -= int(saved)
         for k in ("gradients", "optimizer"):
             p.split[k] = int(p.split.get(k, 0) / P)
         p.peak_bytes = sum(p.split.values())
     notes.append(f"FSDP2 applied arithmetically over {P} processes: transformer weights, gradients and optimizer "
-                 "state sharded, two blocks gathered")
+                 f"state sharded, two blocks of {block_bytes / GiB:.2f} GiB gathered")
