@@ -11,6 +11,11 @@ with or without grad), and then replays exactly those calls alone — the same n
 (rollout, no grad) and forward+backwards (update) on the same shapes. ``iteration / floor`` is the overhead of
 everything else: samplers, log-probs, VAE decode, rewards, optimizer, bookkeeping. Peak GPU memory per
 algorithm comes from ``torch.cuda.max_memory_allocated``.
+
+Beside each measurement it prints the plan of the same configuration (``flowgrpo.planner``, fake tensors on the CPU:
+``scripts/plan.py``): the planned peak against the measured one, and the planned FLOPs against the measured time (the
+achieved TFLOP/s, the share of the card's peak that the plans' projected times assume). One run on the first GPU at
+hand calibrates the planner.
 """
 
 from __future__ import annotations
@@ -98,7 +103,20 @@ def replay_floor(trainer, calls: list[tuple[int, bool]], guidance: dict) -> floa
     return elapsed
 
 
-def check(model: str, algorithm: str, iterations: int, warmup: int, tiny: bool, extra: list[str]) -> dict:
+def plan_of(cfg) -> dict:
+    """The planner's rollout and update phases of ``cfg`` on one process (CPU, fake tensors), as measured here."""
+    from flowgrpo.planner import GPUS, plan_run
+
+    name = torch.cuda.get_device_name(0).lower() if torch.cuda.is_available() else ""
+    gpu = next((k for k in GPUS if k in name), "h100")
+    plan = plan_run(cfg, num_processes=1, gpu=gpu, phases=("rollout", "update"))
+    return {"plan_peak_gib": plan.peak_bytes / 2**30, "plan_peak_phase": plan.peak_phase,
+            "plan_phases_gib": {p.name: round(p.peak_bytes / 2**30, 3) for p in plan.phases},
+            "plan_tflop_per_iteration": plan.flops_per_iteration / 1e12, "plan_card_tflops": plan.peak_flops / 1e12}
+
+
+def check(model: str, algorithm: str, iterations: int, warmup: int, tiny: bool, extra: list[str],
+          with_plan: bool = True) -> dict:
     from flowgrpo.trainer import Trainer
 
     option, overrides = (TINY if tiny else MODELS)[model]
@@ -109,6 +127,7 @@ def check(model: str, algorithm: str, iterations: int, warmup: int, tiny: bool, 
                    "trainer.eval_before=false", "trainer.eval_every=0", "trainer.gallery_every=0",
                    f"trainer.output_dir={out_dir}", *scoped(overrides, ALGORITHMS[algorithm]), *ALGORITHMS[algorithm],
                    *scoped(extra, ALGORITHMS[algorithm])])
+    planned = plan_of(cfg) if with_plan else {}
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg, out_dir)
@@ -131,7 +150,7 @@ def check(model: str, algorithm: str, iterations: int, warmup: int, tiny: bool, 
     rec.close()
     it, floor = statistics.median(times), statistics.median(floors)
     forward = sum(1 for _, g in calls if not g)
-    return {
+    row = {
         "seconds_per_iteration": it,
         "floor_seconds": floor,
         "iteration_over_floor": it / floor,
@@ -139,7 +158,20 @@ def check(model: str, algorithm: str, iterations: int, warmup: int, tiny: bool, 
         "velocity_calls_forward_backward": len(calls) - forward,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         "algorithm": trainer.algorithm.describe(),
+        **planned,
     }
+    if planned:
+        # the planner counts one update micro-batch step per trained step of every micro-batch: the same iteration
+        achieved = planned["plan_tflop_per_iteration"] / it
+        row["achieved_tflops"] = achieved
+        row["achieved_share_of_peak"] = achieved / planned["plan_card_tflops"]
+        if row["peak_memory_gib"] is not None:
+            row["measured_over_plan"] = row["peak_memory_gib"] / planned["plan_peak_gib"]
+        print(f"{model} {algorithm}: peak {row['peak_memory_gib'] if row['peak_memory_gib'] is not None else float('nan'):.2f} "
+              f"GiB measured, {planned['plan_peak_gib']:.2f} GiB planned ({planned['plan_peak_phase']}); "
+              f"{it:.2f} s per iteration, {planned['plan_tflop_per_iteration']:.1f} TFLOP planned: "
+              f"{achieved:.1f} TFLOP/s achieved ({row['achieved_share_of_peak']:.1%} of the card's peak)", file=sys.stderr)
+    return row
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -151,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="the tiny twins instead (CPU-sized)")
     parser.add_argument("--set", action="append", default=[], help="extra Hydra override (repeatable)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--no-plan", action="store_true", help="skip the planner's prediction beside each measurement")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.tiny:
         print("no GPU: measuring the tiny twins instead (--tiny)", file=sys.stderr)
@@ -160,7 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "tiny": args.tiny,
               "models": {}}
     for model in args.models.split(","):
-        rows = {a: check(model, a, args.iterations, args.warmup, args.tiny, args.set) for a in args.algorithms.split(",")}
+        rows = {a: check(model, a, args.iterations, args.warmup, args.tiny, args.set, not args.no_plan)
+                for a in args.algorithms.split(",")}
         if "flow_grpo" in rows:
             base = rows["flow_grpo"]["seconds_per_iteration"]
             for row in rows.values():

@@ -533,6 +533,28 @@ def iteration_cost_table() -> str:
                    "outside transformer + reward (our code alone)", "bf16 decoder: s / ratio / outside"], rows)
 
 
+PLANS = ("flow_grpo_sd35m_geneval", "flow_grpo_wan21_1_3b", "flow_grpo_wan22_5b")
+
+
+def run_plans_table() -> str:
+    """The real presets' plans (``scripts/plan.py``, fake tensors): per-GPU peak, headroom, FLOPs, projected time."""
+    rows = []
+    for name in PLANS:
+        plan = load(f"plan_{name}.json")
+        phases = {p["name"]: p["peak_bytes"] / 2**30 for p in plan["phases"]}
+        split = next(p for p in plan["phases"] if p["name"] == plan["peak_phase"])["split"]
+        parts = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in split.items() if v >= 0.05 * 2**30)
+        rows.append([f"`{plan['config']}`", f"{plan['num_processes']} × {plan['gpu']} ({plan['launcher'].upper()})",
+                     f"**{plan['peak_gib']:.1f}** in {plan['peak_phase']} ({parts})",
+                     " / ".join(f"{phases[k]:.1f}" for k in ("rollout", "update", "eval") if k in phases),
+                     f"{plan['headroom_gib']:.1f}{'' if plan['fits'] else ' (does not fit)'}",
+                     f"{plan['flops_per_iteration'] / 1e15:.1f}",
+                     f"{plan['projected_seconds_per_iteration']:.0f} at {plan['mfu']:.0%}"])
+    return _table(["preset", "GPUs", "per-GPU peak, GiB (plan)", "rollout / update / eval peaks, GiB",
+                   "headroom, GiB", "PFLOP per iteration per GPU", "projected s / iteration (share of peak FLOP/s)"],
+                  rows)
+
+
 def video_iteration_cost_table() -> str:
     bench = load("bench_iteration_video_cpu.json")
     rows = []
@@ -847,6 +869,7 @@ BLOCKS = {
     "time-to-reward": (DOCS / "performance.md", time_to_reward_table),
     "video-time-to-reward": (DOCS / "performance.md", video_time_to_reward_table),
     "iteration-cost": (DOCS / "performance.md", iteration_cost_table),
+    "run-plans": (DOCS / "performance.md", run_plans_table),
     "video-iteration-cost": (DOCS / "performance.md", video_iteration_cost_table),
     "breadth-cost": (DOCS / "performance.md", breadth_cost_table),
     "opd-slas-cgpo-cost": (DOCS / "performance.md", opd_slas_cgpo_cost_table),

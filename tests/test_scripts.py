@@ -82,6 +82,11 @@ def test_gpu_check_replays_the_iteration_calls_for_its_floor(tmp_path):
     assert rows["flash_grpo"]["velocity_calls_forward_backward"] == 1
     for row in rows.values():
         assert row["floor_seconds"] > 0 and row["iteration_over_floor"] > 0
+        # the plan of the same configuration beside it (no GPU here: nothing measured to divide by)
+        assert row["plan_peak_gib"] > 0 and row["plan_tflop_per_iteration"] > 0 and row["achieved_tflops"] > 0
+        assert set(row["plan_phases_gib"]) == {"rollout", "update"} and "measured_over_plan" not in row
+    # Flash-GRPO trains one step of four: its planned update costs less than Flow-GRPO's
+    assert rows["flash_grpo"]["plan_tflop_per_iteration"] < rows["flow_grpo"]["plan_tflop_per_iteration"]
     assert rows["flow_grpo"]["ratio_to_flow_grpo"] == 1.0 and (tmp_path / "gpu.json").is_file()
 
 

@@ -1,0 +1,58 @@
+"""Plan a run's per-GPU memory, FLOPs and time before paying for it: the real preset, every model at its real
+architecture under fake tensors (no weights, no GPU), one rollout, one update micro-batch and one held-out batch
+through the trainer's own code (:mod:`flowgrpo.planner` says what is modelled and how).
+
+    python scripts/plan.py experiment=flow_grpo_wan21_1_3b                 # the same overrides as train.py
+    python scripts/plan.py experiment=flow_grpo_wan22_5b --gpus 8 --gpu h100 --mfu 0.4 --out plan.json
+    python scripts/plan.py experiment=flow_grpo_sd35m_geneval model=sd35_large --launcher fsdp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return hydra_compose("train", overrides=overrides)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from flowgrpo.planner import GPUS, plan_run
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
+    parser.add_argument("--gpus", type=int, default=8, help="processes (GPUs) the batch is split over (the presets: 8)")
+    parser.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="the card checked against")
+    parser.add_argument("--launcher", default=None, choices=["ddp", "fsdp", "single"],
+                        help="ddp (default with several GPUs), or fsdp (sharding applied arithmetically)")
+    parser.add_argument("--mfu", type=float, default=0.4, help="share of the card's peak FLOP/s the time assumes")
+    parser.add_argument("--phases", default="rollout,update,eval", help="comma-separated phases to run")
+    parser.add_argument("--out", default=None, help="write the plan as JSON here")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cfg = compose(["logger=none", *args.overrides])
+    label = " ".join(args.overrides) or "(defaults)"
+    plan = plan_run(cfg, num_processes=args.gpus, gpu=args.gpu, launcher=args.launcher, mfu=args.mfu,
+                    phases=tuple(args.phases.split(",")), label=label)
+    print(plan.table())
+    result = plan.to_dict()
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
