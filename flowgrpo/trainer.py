@@ -393,12 +393,13 @@ class Trainer(RunState):
         self._print(f"iteration {iteration + 1}: {why}; update skipped "
                     f"({self._consecutive_skips} in a row, {self.skipped_updates} in all)")
         if self._consecutive_skips >= limit:
-            last = self.ckpt.latest()
+            # the skipped steps left the weights as they were: the crash checkpoint of the last completed iteration
+            # (written as this error propagates) holds weights from before them, and is the one to resume from
             raise NonFiniteError(
                 f"{self._consecutive_skips} optimizer updates in a row were skipped, the last for {why} "
                 f"(iteration {iteration + 1}; trainer.max_skipped_updates={limit}); the weights were not changed by "
-                f"them. Newest checkpoint on disk before this error: {last if last is not None else 'none'}. Lower "
-                f"trainer.lr, check the reward and the data, or raise trainer.max_skipped_updates.")
+                "them. Lower trainer.lr (a resume with another trainer.lr also needs trainer.resume_force=true), "
+                "check the reward and the data, or raise trainer.max_skipped_updates.")
 
     def _pre_step_copy(self) -> dict | None:
         """What an optimizer step may have to be undone to: copies of the trained LoRA weights and the optimizer
@@ -591,6 +592,11 @@ class Trainer(RunState):
         if bad:
             self._diverged = True
             older = [path for step, path in self.ckpt.checkpoints() if step < iteration]
+            if not iteration:  # nothing was trained yet: the model itself, or its precision, is the fault
+                raise NonFiniteError(
+                    f"iteration 1: {bad} of the rollout's samples are not finite before any update: check "
+                    f"model.pretrained ({self.cfg.model.pretrained}) and the precision (model.torch_dtype, "
+                    "model.vae_dtype, trainer.mixed_precision). No checkpoint is written.")
             raise NonFiniteError(
                 f"iteration {iteration + 1}: {bad} of the rollout's samples are not finite: the weights after "
                 f"iteration {iteration} have diverged. No checkpoint of them is kept for resuming; the newest "
