@@ -337,6 +337,13 @@ def test_a_resume_refuses_a_config_that_changes_the_run_and_passes_harmless_chan
 
     assert resume_config_changes({"trainer": {"lr": 1.0}}, {"trainer": {"lr": 1.0, "new_knob": 2}}) == (
         [], ["trainer.new_knob: '<absent>' -> 2"])  # a checkpoint from before a knob existed still resumes
+    # another algorithm's knobs are part of the algorithm's change, not a harmless difference beside it
+    meaningful, harmless = resume_config_changes({"algo": {"name": "mix_grpo", "window": {"size": 2}}},
+                                                 {"algo": {"name": "grpo"}})
+    assert meaningful == ["algo.name: 'mix_grpo' -> 'grpo'", "algo.window.size: 2 -> '<absent>'"] and harmless == []
+    # the divergence guard's bound is a guard, like trainer.max_skipped_updates: loosening it after a stop passes
+    assert resume_config_changes({"trainer": {"max_update_ratio": 1.0}}, {"trainer": {"max_update_ratio": 4.0}}) == (
+        [], ["trainer.max_update_ratio: 1.0 -> 4.0"])
     forced = Trainer(make_cfg(tmp_path / "d", resume, "trainer.lr=1e-2", "trainer.resume_force=true"), tmp_path / "d")
     assert forced.maybe_resume() and forced.iteration == 1
     assert "trainer.lr: 0.03 -> 0.01" in capsys.readouterr().out
