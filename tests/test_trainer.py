@@ -222,6 +222,32 @@ def test_sigterm_during_a_rollout_stops_before_its_next_chunk(tmp_path, monkeypa
     assert summary["stopped"] == "stop requested during rollout; iteration 1 abandoned" and trainer.iteration == 0
 
 
+@pytest.mark.parametrize("algo", ["dance_grpo", "flash_grpo_tail"])
+def test_a_shared_noise_rollout_keeps_to_the_rollout_batch_size_across_groups(tmp_path, monkeypatch, algo):
+    """With one initial noise per group, chunks of trainer.rollout_batch_size may split a group (a stop request waits
+    for one chunk, not a whole group of trainer.group_size): 3 groups of 4 in chunks of 6 sample what one chunk of 12
+    samples, each part of a group integrating its shared prefix once."""
+    import flowgrpo.rollout as rollout_module
+
+    group = ["trainer.prompts_per_iteration=3", "trainer.group_size=4", "trainer.train_batch_size=12"]
+    whole = Trainer(make_cfg(tmp_path / "a", *ALGOS[algo], *group), tmp_path / "a")
+    reference = whole.rollout(whole.plan(0), 0)
+    split = Trainer(make_cfg(tmp_path / "b", *ALGOS[algo], *group, "trainer.rollout_batch_size=6"), tmp_path / "b")
+    real, chunks = rollout_module.ragged_rollout, []
+
+    def counted(*args, **kwargs):
+        chunks.append(len(args[1]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rollout_module, "ragged_rollout", counted)
+    batch = split.rollout(split.plan(0), 0)
+    assert chunks == [6, 6]  # group 1 (rows 4-7) is split between the chunks (whole groups made them 4, 4, 4)
+    finite = torch.isfinite(reference.latents)
+    assert torch.equal(finite, torch.isfinite(batch.latents))  # a compressed tail's unvisited states are NaN in both
+    torch.testing.assert_close(batch.latents[finite], reference.latents[finite], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(batch.log_probs, reference.log_probs, rtol=1e-4, atol=1e-3)
+
+
 def test_lora_checkpoint_loads_with_load_lora_weights(tmp_path):
     trainer = Trainer(make_cfg(tmp_path, *ALGOS["mix_grpo"], "trainer.iterations=1"), tmp_path)
     trainer.fit()
