@@ -461,7 +461,9 @@ class Trainer(RunState):
             if start == 0:
                 first.append((prompts, images, out))
 
-        result = self.held_out_samples(jobs, on_batch=keep_first).scalars(tag)
+        # inside the loop a stop request abandons the evaluation between its batches (Trainer._Abandon)
+        result = self.held_out_samples(jobs, on_batch=keep_first,
+                                       between_batches=lambda: self._check_stop("evaluation")).scalars(tag)
         if self.gallery is not None and first:
             prompts, images, out = first[0]
             self._gallery_log(self.iteration, prompts, images, rewards=out.scores, components=out.components, tag=tag)
@@ -491,10 +493,11 @@ class Trainer(RunState):
             what["reward_version"] = self.reward.version
         return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-    def held_out_samples(self, jobs: list, on_batch=None) -> EvalSamples:
+    def held_out_samples(self, jobs: list, on_batch=None, between_batches=None) -> EvalSamples:
         """Every held-out ``(prompt, sample)`` job of ``jobs`` generated and scored as :meth:`evaluate` does (its
         seeds, sampler, EMA weights when enabled), dealt over the processes and gathered back in job order: the
-        per-sample scores behind its means. ``on_batch`` sees this process's batches (``score_jobs``)."""
+        per-sample scores behind its means. ``on_batch`` sees this process's batches, ``between_batches`` is called
+        before each of them after the first (``score_jobs``; every process runs as many batches)."""
         t = self.cfg.trainer
         # every process runs the same number of jobs (a gather needs equal shapes): padding repeats the last job and
         # is dropped after the gather
@@ -504,7 +507,7 @@ class Trainer(RunState):
             local = score_jobs(self.adapter, self.reward, self.test_set, [jobs[min(k, len(jobs) - 1)] for k in mine],
                                seed=t.eval_seed, sigmas=self.sampler.eval_sigmas, model_kw=self.model_kw,
                                batch_size=self.batch.rollout_batch_per_process, autocast=self.acc.autocast,
-                               on_batch=on_batch)
+                               on_batch=on_batch, between_batches=between_batches)
         index = self.acc.gather(torch.tensor([k if k < len(jobs) else -1 for k in mine], device=self.device))
         valid = index >= 0
         position = torch.empty(len(jobs), dtype=torch.long, device=self.device)  # gathered row of each job
@@ -694,16 +697,19 @@ class Trainer(RunState):
                                       notes=self.algorithm.gallery_notes(b), marks=self.algorithm.gallery_marks(b))
                 last = self.iteration == t.iterations
                 if t.eval_every and self.iteration % t.eval_every == 0 and not (last and t.eval_at_end):
-                    self._record_eval()
+                    if not self._record_eval():
+                        stopped = f"stop requested during the evaluation after iteration {self.iteration}; abandoned"
+                        break
                 if self._stop_requested():
                     stopped = "stop requested; finished the iteration"
                     break
                 if t.checkpoint_every and self.iteration % t.checkpoint_every == 0 and not last:
                     self.save_checkpoint()
+            # the final evaluation still honours a stop request: the checkpoint below is written either way
+            if stopped is None and t.eval_at_end and not self._record_eval():
+                stopped = "stop requested during the final evaluation; abandoned (a resume runs it)"
         bar.close()
         with self._crash_guard(bar):
-            if stopped is None and t.eval_at_end:
-                self._record_eval()
             path = self.save_checkpoint(light)
         self._snapshot = None
         summary = self.summary(path, stopped)
@@ -741,10 +747,14 @@ class Trainer(RunState):
                 self._metrics_stale = True
                 self._io_warning(str(path), err)
 
-    def _record_eval(self) -> None:
-        result = self.evaluate()
+    def _record_eval(self) -> bool:
+        """Evaluate and record the result; False when a stop request abandoned the evaluation (nothing recorded)."""
+        try:
+            result = self.evaluate()
+        except Trainer._Abandon:
+            return False
         if not result:
-            return
+            return True
         result["iteration"] = self.iteration
         self.evals.append(result)
         self._append_metrics(result)
@@ -752,6 +762,7 @@ class Trainer(RunState):
             self.logger.log(result, step=self.iteration)
         self._print("eval @ {}: ".format(self.iteration) + ", ".join(
             f"{k.split('/', 1)[1]}={v:.3f}" for k, v in result.items() if k.startswith("eval/") and "/" not in k[5:]))
+        return True
 
     def summary(self, checkpoint: Path | None, stopped: str | None) -> dict[str, Any]:
         first, last = (self.evals[0], self.evals[-1]) if self.evals else ({}, {})

@@ -222,6 +222,41 @@ def test_sigterm_during_a_rollout_stops_before_its_next_chunk(tmp_path, monkeypa
     assert summary["stopped"] == "stop requested during rollout; iteration 1 abandoned" and trainer.iteration == 0
 
 
+@pytest.mark.parametrize("during", [1, 2], ids=["periodic_evaluation", "final_evaluation"])
+def test_sigterm_during_an_evaluation_abandons_it_between_batches_and_checkpoints(tmp_path, during):
+    """A stop request during a held-out evaluation (4 prompts in batches of 2) is honoured before its next batch:
+    the evaluation is dropped, the completed iterations are checkpointed and the run ends normally; an abandoned
+    final evaluation is what a resume then runs, and nothing else."""
+    import os
+    import signal
+
+    overrides = [*ALGOS["flow_grpo"], "trainer.eval_every=1", "trainer.eval_num_prompts=4",
+                 "trainer.rollout_batch_size=2"]
+    trainer = Trainer(make_cfg(tmp_path, *overrides), tmp_path)
+    real, calls = trainer.reward, []
+
+    def reward(images, prompts, metadata=None):
+        if trainer._phase == "update" and trainer.iteration == during:  # an evaluation after iteration `during`
+            calls.append(len(images))
+            if len(calls) == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return real(images, prompts, metadata)
+
+    trainer.reward = reward
+    summary = trainer.fit()  # no exception: a clean stop
+    assert calls == [2]  # the evaluation's second batch never ran
+    assert trainer.iteration == during and [e["iteration"] for e in trainer.evals] == list(range(1, during))
+    assert trainer.ckpt.load(trainer.ckpt.latest())["iteration"] == during
+    if during == 1:
+        assert summary["stopped"] == "stop requested during the evaluation after iteration 1; abandoned"
+        return
+    assert summary["stopped"] == "stop requested during the final evaluation; abandoned (a resume runs it)"
+    resumed = Trainer(make_cfg(tmp_path / "b", *overrides, f"trainer.resume={tmp_path}"), tmp_path / "b")
+    summary = resumed.fit()
+    assert summary["stopped"] is None and len(resumed.history) == 2  # no iteration ran again
+    assert [e["iteration"] for e in resumed.evals] == [1, 2]
+
+
 @pytest.mark.parametrize("algo", ["dance_grpo", "flash_grpo_tail"])
 def test_a_shared_noise_rollout_keeps_to_the_rollout_batch_size_across_groups(tmp_path, monkeypatch, algo):
     """With one initial noise per group, chunks of trainer.rollout_batch_size may split a group (a stop request waits
