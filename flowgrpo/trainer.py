@@ -274,7 +274,11 @@ class Trainer(RunState):
     @torch.no_grad()
     def score(self, batch: Batch) -> Batch:
         final = self.adapter.join_chunks(batch.latents[:, :, -1]) if batch.plan.chunked else batch.latents[:, -1]
-        batch.images = self.adapter.decode(final).float().clamp(0, 1)
+        decoded = self.adapter.decode(final).float()
+        # finite latents can still decode to NaN or inf (weights that blew the latents up without making them
+        # infinite): caught here, before the reward reads them (clamping would hide an inf)
+        self._check_finite(decoded, self.iteration, "the decoded samples")
+        batch.images = decoded.clamp(0, 1)
         out = self.reward(batch.images, batch.prompts, batch.metadata)
         batch.rewards = out.scores.to(self.device)
         batch.components = {k: v.to(self.device) for k, v in out.components.items()}
@@ -589,22 +593,28 @@ class Trainer(RunState):
         reads NaN pixels, and keep no checkpoint of those weights (``_crash_checkpoint``; one already on disk is
         marked and never resumed from)."""
         final = batch.latents[:, :, -1] if batch.plan.chunked else batch.latents[:, -1]
-        bad = int((~torch.isfinite(final.reshape(final.shape[0], -1)).all(dim=1)).sum())
+        self._check_finite(final, iteration, "the rollout's samples")
+
+    def _check_finite(self, samples: torch.Tensor, iteration: int, what: str) -> None:
+        """``NonFiniteError`` when a row of ``samples`` (final latents, or the decoded images or clips) is not finite,
+        on every process together; after an update the weights are taken for diverged (see
+        :meth:`_check_finite_rollout`)."""
+        bad = int((~torch.isfinite(samples.reshape(samples.shape[0], -1)).all(dim=1)).sum())
         if self.world > 1:  # every process stops together
             bad = int(self.acc.reduce(torch.tensor([float(bad)], device=self.device), reduction="sum").item())
-        if bad:
-            self._diverged = True
-            older = [path for step, path in self.ckpt.checkpoints() if step < iteration]
-            if not iteration:  # nothing was trained yet: the model itself, or its precision, is the fault
-                raise NonFiniteError(
-                    f"iteration 1: {bad} of the rollout's samples are not finite before any update: check "
-                    f"model.pretrained ({self.cfg.model.pretrained}) and the precision (model.torch_dtype, "
-                    "model.vae_dtype, trainer.mixed_precision). No checkpoint is written.")
+        if not bad:
+            return
+        self._diverged = True
+        older = [path for step, path in self.ckpt.checkpoints() if step < iteration]
+        if not iteration:  # nothing was trained yet: the model itself, or its precision, is the fault
             raise NonFiniteError(
-                f"iteration {iteration + 1}: {bad} of the rollout's samples are not finite: the weights after "
-                f"iteration {iteration} have diverged. No checkpoint of them is kept for resuming; the newest "
-                f"checkpoint from before them: {older[-1] if older else 'none'}. Lower trainer.lr or "
-                "trainer.max_update_ratio, or check the data.")
+                f"iteration 1: {bad} of {what} are not finite before any update: check model.pretrained "
+                f"({self.cfg.model.pretrained}) and the precision (model.torch_dtype, model.vae_dtype, "
+                "trainer.mixed_precision). No checkpoint is written.")
+        raise NonFiniteError(
+            f"iteration {iteration + 1}: {bad} of {what} are not finite: the weights after iteration {iteration} "
+            f"have diverged. No checkpoint of them is kept for resuming; the newest checkpoint from before them: "
+            f"{older[-1] if older else 'none'}. Lower trainer.lr or trainer.max_update_ratio, or check the data.")
 
     def _stop_requested(self) -> bool:
         """Whether any process got SIGTERM/SIGINT (signals reach ranks at different moments: they agree first)."""

@@ -97,6 +97,29 @@ def test_a_rollout_that_is_not_finite_stops_the_run_and_no_checkpoint_of_those_w
     assert again.iteration == 1
 
 
+def test_finite_latents_that_decode_to_inf_are_caught_before_the_reward(tmp_path):
+    """Weights that blow the latents up without making them infinite decode to inf or NaN pixels (clamping would
+    hide an inf): caught after decoding, before the reward reads them, as a divergence of the weights that drew
+    them (iteration 2's checkpoint is marked; iteration 1's is recommended)."""
+    trainer = make(tmp_path, "trainer.iterations=4")
+    real_decode, real_reward, scored = trainer.adapter.decode, trainer.reward, []
+
+    def decode(latents):
+        images = real_decode(latents)
+        return images * float("inf") if trainer.iteration == 2 else images
+
+    def reward(images, prompts, metadata=None):
+        scored.append(trainer.iteration)
+        return real_reward(images, prompts, metadata)
+
+    trainer.adapter.decode, trainer.reward = decode, reward
+    with pytest.raises(NonFiniteError, match=r"iteration 3: 4 of the decoded samples are not finite.*checkpoint-000001"):
+        trainer.fit()
+    assert scored == [0, 1]  # the reward never saw iteration 3's pixels
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    assert "marked diverged" in manager.verify(manager.path(2)) and manager.latest() == manager.path(1)
+
+
 def test_samples_that_are_not_finite_before_any_update_blame_the_model_and_write_no_checkpoint(tmp_path):
     """NaN samples in iteration 1 come from the model itself (or its precision), not from training: the error says
     so, and no checkpoint is written or recommended."""
