@@ -466,9 +466,18 @@ class Preflight:
     test_set: PromptSet | None
 
 
+def check_config(cfg: DictConfig, num_processes: int = 1) -> None:
+    """The checks that read nothing but the config (and a local pipeline's ``vae/`` and ``transformer/``
+    ``config.json``): the batch arithmetic, reward ↔ model modality, the image or clip size. ``train.py`` runs them
+    before it makes a run dir, so a config that cannot run leaves no ``outputs/DATE/TIME`` behind."""
+    batch_plan(cfg, num_processes)
+    check_reward_model(cfg.reward, cfg.model)
+    check_sizes(cfg.model)
+
+
 def preflight(cfg: DictConfig, output_dir: str | os.PathLike) -> Preflight:
-    """Every check that needs no model: reward ↔ model modality, output directory (writable, free space),
-    prompt files (present, non-empty, parseable) and their metadata against the reward's schema (file:line).
+    """Every check that needs no model: reward ↔ model modality, the sizes, the output directory (writable, free
+    space), prompt files (present, non-empty, parseable) and their metadata against the reward's schema (file:line).
     Builds the reward and the prompt sets, which the caller keeps."""
     check_reward_model(cfg.reward, cfg.model)
     check_sizes(cfg.model)

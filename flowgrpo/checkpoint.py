@@ -763,8 +763,8 @@ class GracefulStop:
 #: or an underscore, as a prefix.
 RESUME_HARMLESS = ("trainer.iterations", "trainer.eval_", "trainer.gallery_", "trainer.log_every",
                    "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.resume", "trainer.resume_",
-                   "trainer.output_dir", "trainer.rollout_batch_size", "trainer.max_skipped_updates", "logger.",
-                   "sampler.eval_num_steps", "data.test_file")
+                   "trainer.output_dir", "trainer.rollout_batch_size", "trainer.max_skipped_updates",
+                   "trainer.max_update_ratio", "logger.", "sampler.eval_num_steps", "data.test_file")
 
 
 def _flat(tree, prefix: str = "") -> dict:
@@ -781,7 +781,8 @@ def resume_config_changes(saved: dict | None, now: dict) -> tuple[list[str], lis
     recorded config) and the resuming one, as ``key: old -> new`` lines. Harmless keys are :data:`RESUME_HARMLESS`;
     every other difference (the algorithm, model, sampler, reward, data, batch plan, optimizer, schedule, seed)
     changes what the resumed run means. A key that only one side has (a checkpoint from before a knob was added) is
-    reported as harmless. A checkpoint without a recorded config gives no differences."""
+    reported as harmless, unless its group's ``name`` changed too (``algo.window.size`` of ``algo=mix_grpo`` against
+    ``algo=grpo``): then it is part of that change. A checkpoint without a recorded config gives no differences."""
     if not saved:
         return [], []
     old, new = _flat(saved), _flat(now)
@@ -791,8 +792,10 @@ def resume_config_changes(saved: dict | None, now: dict) -> tuple[list[str], lis
         if a == b:
             continue
         line = f"{key}: {a!r} -> {b!r}"
-        # a key only one side has comes from another version of the schema (a knob added since, at its default)
-        absent = key not in old or key not in new
+        # a key only one side has comes from another version of the schema (a knob added since, at its default),
+        # or from another option of its group (another algorithm's knobs), which the group's name tells apart
+        group_name = key.split(".", 1)[0] + ".name"
+        absent = (key not in old or key not in new) and old.get(group_name) == new.get(group_name)
         if absent or any(key == h or (h.endswith((".", "_")) and key.startswith(h)) for h in RESUME_HARMLESS):
             harmless.append(line)
         else:

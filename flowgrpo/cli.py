@@ -113,7 +113,10 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         validate(cfg)
         from accelerate import Accelerator
 
+        from .build import check_config
+
         accelerator = Accelerator(mixed_precision=cfg.trainer.mixed_precision, cpu=not torch.cuda.is_available())
+        check_config(cfg, accelerator.num_processes)  # batch arithmetic, reward ↔ model, sizes: before any run dir
         out = _shared_output_dir(cfg, accelerator)
     except BaseException:
         discard_hydra_dir()

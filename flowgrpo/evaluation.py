@@ -215,6 +215,7 @@ def score_jobs(
     batch_size: int,
     autocast: Callable[[], ContextManager] = nullcontext,
     on_batch: Callable[[int, list[str], torch.Tensor, Any], None] | None = None,
+    between_batches: Callable[[], None] | None = None,
 ) -> EvalSamples:
     """Generate (:func:`generate`) and score the images of ``jobs``, ``batch_size`` at a time, in job order.
 
@@ -225,6 +226,8 @@ def score_jobs(
         jobs: ``(prompt, sample)`` pairs (:func:`held_out_jobs`, or a process's share of them).
         seed: ``trainer.eval_seed``.
         on_batch: called as ``on_batch(start, prompts, images, reward_output)`` after each batch (galleries, grids).
+        between_batches: called before each batch after the first; raising there abandons the evaluation (the
+            trainer honours a stop request so).
     """
     jobs = [(int(i), int(j)) for i, j in jobs]
     if not jobs:
@@ -233,6 +236,8 @@ def score_jobs(
     rows = prompts.subset([i for i, _ in jobs])
     scores, components = [], {}
     for start in range(0, len(jobs), batch_size):
+        if start and between_batches is not None:
+            between_batches()
         part = rows.subset(range(start, min(start + batch_size, len(jobs))))
         generators = [eval_generator(seed, i, j) for i, j in jobs[start : start + len(part)]]
         images = generate(adapter, part.prompts, generators, sigmas=sigmas, model_kw=model_kw, autocast=autocast,

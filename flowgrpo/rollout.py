@@ -161,9 +161,7 @@ class PlanRollout(Rollout):
         means = (torch.full((n, steps, *noise.shape[1:]), float("nan"), dtype=torch.float32, device=noise.device)
                  if record else None)
         nfe = 0
-        chunk = self.batch_size
-        if shared:
-            chunk = max(G, chunk - chunk % G)  # whole groups per chunk
+        chunk = self.batch_size  # a chunk may split a group: its part in each chunk integrates the prefix once
         last = plan.last_sde_step() if plan.tail_ratio < 1 else None
         velocity = self.model.velocity_fn(None)
         for start in range(0, n, chunk):
@@ -174,7 +172,8 @@ class PlanRollout(Rollout):
             # its last SDE step, then its own tail; every step is one batched call over the rows still running
             grids = [plan.sigmas if last is None else plan.row_sigmas(int(last[r])) for r in rows.tolist()]
             masks = [plan.sde_mask[r, : g.shape[0] - 1] for r, g in zip(rows.tolist(), grids)]
-            leaders = (torch.arange(len(rows)) // G * G) if shared else None  # a group's ODE prefix once
+            # a group's ODE prefix once per chunk, by its first row in the chunk
+            leaders = (torch.clamp(rows // G * G, min=start) - start) if shared else None
             traj = ragged_rollout(lambda x, sigma, sub, rows=rows: velocity(x, sigma, batch.cond[rows[sub.cpu()]]),
                                   noise[rows], grids, masks, leaders=leaders, kernel=plan.kernel,
                                   noise_level=plan.noise_level, solver=plan.solver,

@@ -278,10 +278,15 @@ class RunState:
         done = self._snapshot if in_step else {"iteration": self.iteration, "updates": self.updates,
                                                "skipped_updates": self.skipped_updates, "evals": self.evals}
         resume_from = checkpoint or self.ckpt.latest()
-        line = (f"error in iteration {failed} ({phase}): {type(err).__name__}: {err}\n"
-                + (f"checkpoint of the {done['iteration']} completed iterations: {checkpoint}" if checkpoint else
-                   f"no crash checkpoint ({note}); newest checkpoint on disk: {resume_from}") + "\n"
-                + (f"resume with trainer.resume={self.out}" if resume_from else "nothing to resume from"))
+        if checkpoint:
+            kept = f"checkpoint of the {done['iteration']} completed iterations: {checkpoint}"
+        elif resume_from:
+            kept = f"no crash checkpoint ({note}); newest checkpoint on disk: {resume_from}"
+        else:
+            kept = f"no checkpoint ({note})"
+        line = (f"error in iteration {failed} ({phase}): {type(err).__name__}: {err}\n{kept}\n"
+                + (f"resume with trainer.resume={self.out}" if resume_from else
+                   "nothing to resume from: run again once the error is fixed"))
         evals = done["evals"]
         summary = {"iterations": done["iteration"], "updates": done["updates"],
                    "skipped_updates": done["skipped_updates"], "checkpoint": str(checkpoint) if checkpoint else None,
@@ -303,7 +308,8 @@ class RunState:
 
     def _crash_checkpoint(self) -> tuple[Path | None, str | None]:
         """Write (or find) the checkpoint of the last completed iteration; ``(None, why)`` when that state is not at
-        hand, or when its weights diverged (then a checkpoint of them already on disk is marked so)."""
+        hand, when nothing was done yet (no iteration and no evaluation: a fresh run is the same), or when its weights
+        diverged (then a checkpoint of them already on disk is marked so)."""
         if self._diverged:
             done = self.iteration if self._snapshot is None else self._snapshot["iteration"]
             path = self.ckpt.path(done)  # written at the end of the iteration whose weights give non-finite samples
@@ -314,6 +320,10 @@ class RunState:
             return None, "under FSDP the full state is gathered by every process together, which an error prevents"
         light = self._snapshot
         iteration = self.iteration if light is None else light["iteration"]
+        if iteration == 0 and not (self.evals if light is None else light["evals"]):
+            # a checkpoint of nothing done (no iteration, no evaluation) would be the start of a fresh run: none is
+            # written, and none is recommended
+            return None, "no iteration completed: a fresh run starts from the same state"
         if self._saved is not None and self._saved[0] == iteration and self._saved[1].is_dir():
             return self._saved[1], None  # this iteration's checkpoint was already written
         if light is None:  # between iterations: the live state is the last completed iteration's

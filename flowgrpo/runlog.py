@@ -187,8 +187,9 @@ def remove_empty_dirs(start: Path) -> None:
 
 
 def discard_hydra_dir() -> None:
-    """A run that fails before it has a run dir of its own (a bad config, an output dir that cannot be made) leaves
-    no trace of Hydra's: its timestamped dir goes when it holds nothing but ``.hydra/`` and an empty log."""
+    """A run that fails before it has a run dir of its own (a bad config — schema, ranges, batch arithmetic, reward ↔
+    model, image or clip size — or an output dir that cannot be made) leaves no trace of Hydra's: its timestamped dir
+    goes when it holds nothing but ``.hydra/`` and an empty log."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():

@@ -274,7 +274,11 @@ class Trainer(RunState):
     @torch.no_grad()
     def score(self, batch: Batch) -> Batch:
         final = self.adapter.join_chunks(batch.latents[:, :, -1]) if batch.plan.chunked else batch.latents[:, -1]
-        batch.images = self.adapter.decode(final).float().clamp(0, 1)
+        decoded = self.adapter.decode(final).float()
+        # finite latents can still decode to NaN or inf (weights that blew the latents up without making them
+        # infinite): caught here, before the reward reads them (clamping would hide an inf)
+        self._check_finite(decoded, self.iteration, "the decoded samples")
+        batch.images = decoded.clamp(0, 1)
         out = self.reward(batch.images, batch.prompts, batch.metadata)
         batch.rewards = out.scores.to(self.device)
         batch.components = {k: v.to(self.device) for k, v in out.components.items()}
@@ -393,12 +397,13 @@ class Trainer(RunState):
         self._print(f"iteration {iteration + 1}: {why}; update skipped "
                     f"({self._consecutive_skips} in a row, {self.skipped_updates} in all)")
         if self._consecutive_skips >= limit:
-            last = self.ckpt.latest()
+            # the skipped steps left the weights as they were: the crash checkpoint of the last completed iteration
+            # (written as this error propagates) holds weights from before them, and is the one to resume from
             raise NonFiniteError(
                 f"{self._consecutive_skips} optimizer updates in a row were skipped, the last for {why} "
                 f"(iteration {iteration + 1}; trainer.max_skipped_updates={limit}); the weights were not changed by "
-                f"them. Newest checkpoint on disk before this error: {last if last is not None else 'none'}. Lower "
-                f"trainer.lr, check the reward and the data, or raise trainer.max_skipped_updates.")
+                "them. Lower trainer.lr (a resume with another trainer.lr also needs trainer.resume_force=true), "
+                "check the reward and the data, or raise trainer.max_skipped_updates.")
 
     def _pre_step_copy(self) -> dict | None:
         """What an optimizer step may have to be undone to: copies of the trained LoRA weights and the optimizer
@@ -460,7 +465,9 @@ class Trainer(RunState):
             if start == 0:
                 first.append((prompts, images, out))
 
-        result = self.held_out_samples(jobs, on_batch=keep_first).scalars(tag)
+        # inside the loop a stop request abandons the evaluation between its batches (Trainer._Abandon)
+        result = self.held_out_samples(jobs, on_batch=keep_first,
+                                       between_batches=lambda: self._check_stop("evaluation")).scalars(tag)
         if self.gallery is not None and first:
             prompts, images, out = first[0]
             self._gallery_log(self.iteration, prompts, images, rewards=out.scores, components=out.components, tag=tag)
@@ -490,10 +497,11 @@ class Trainer(RunState):
             what["reward_version"] = self.reward.version
         return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-    def held_out_samples(self, jobs: list, on_batch=None) -> EvalSamples:
+    def held_out_samples(self, jobs: list, on_batch=None, between_batches=None) -> EvalSamples:
         """Every held-out ``(prompt, sample)`` job of ``jobs`` generated and scored as :meth:`evaluate` does (its
         seeds, sampler, EMA weights when enabled), dealt over the processes and gathered back in job order: the
-        per-sample scores behind its means. ``on_batch`` sees this process's batches (``score_jobs``)."""
+        per-sample scores behind its means. ``on_batch`` sees this process's batches, ``between_batches`` is called
+        before each of them after the first (``score_jobs``; every process runs as many batches)."""
         t = self.cfg.trainer
         # every process runs the same number of jobs (a gather needs equal shapes): padding repeats the last job and
         # is dropped after the gather
@@ -503,7 +511,7 @@ class Trainer(RunState):
             local = score_jobs(self.adapter, self.reward, self.test_set, [jobs[min(k, len(jobs) - 1)] for k in mine],
                                seed=t.eval_seed, sigmas=self.sampler.eval_sigmas, model_kw=self.model_kw,
                                batch_size=self.batch.rollout_batch_per_process, autocast=self.acc.autocast,
-                               on_batch=on_batch)
+                               on_batch=on_batch, between_batches=between_batches)
         index = self.acc.gather(torch.tensor([k if k < len(jobs) else -1 for k in mine], device=self.device))
         valid = index >= 0
         position = torch.empty(len(jobs), dtype=torch.long, device=self.device)  # gathered row of each job
@@ -585,17 +593,28 @@ class Trainer(RunState):
         reads NaN pixels, and keep no checkpoint of those weights (``_crash_checkpoint``; one already on disk is
         marked and never resumed from)."""
         final = batch.latents[:, :, -1] if batch.plan.chunked else batch.latents[:, -1]
-        bad = int((~torch.isfinite(final.reshape(final.shape[0], -1)).all(dim=1)).sum())
+        self._check_finite(final, iteration, "the rollout's samples")
+
+    def _check_finite(self, samples: torch.Tensor, iteration: int, what: str) -> None:
+        """``NonFiniteError`` when a row of ``samples`` (final latents, or the decoded images or clips) is not finite,
+        on every process together; after an update the weights are taken for diverged (see
+        :meth:`_check_finite_rollout`)."""
+        bad = int((~torch.isfinite(samples.reshape(samples.shape[0], -1)).all(dim=1)).sum())
         if self.world > 1:  # every process stops together
             bad = int(self.acc.reduce(torch.tensor([float(bad)], device=self.device), reduction="sum").item())
-        if bad:
-            self._diverged = True
-            older = [path for step, path in self.ckpt.checkpoints() if step < iteration]
+        if not bad:
+            return
+        self._diverged = True
+        older = [path for step, path in self.ckpt.checkpoints() if step < iteration]
+        if not iteration:  # nothing was trained yet: the model itself, or its precision, is the fault
             raise NonFiniteError(
-                f"iteration {iteration + 1}: {bad} of the rollout's samples are not finite: the weights after "
-                f"iteration {iteration} have diverged. No checkpoint of them is kept for resuming; the newest "
-                f"checkpoint from before them: {older[-1] if older else 'none'}. Lower trainer.lr or "
-                "trainer.max_update_ratio, or check the data.")
+                f"iteration 1: {bad} of {what} are not finite before any update: check model.pretrained "
+                f"({self.cfg.model.pretrained}) and the precision (model.torch_dtype, model.vae_dtype, "
+                "trainer.mixed_precision). No checkpoint is written.")
+        raise NonFiniteError(
+            f"iteration {iteration + 1}: {bad} of {what} are not finite: the weights after iteration {iteration} "
+            f"have diverged. No checkpoint of them is kept for resuming; the newest checkpoint from before them: "
+            f"{older[-1] if older else 'none'}. Lower trainer.lr or trainer.max_update_ratio, or check the data.")
 
     def _stop_requested(self) -> bool:
         """Whether any process got SIGTERM/SIGINT (signals reach ranks at different moments: they agree first)."""
@@ -688,16 +707,19 @@ class Trainer(RunState):
                                       notes=self.algorithm.gallery_notes(b), marks=self.algorithm.gallery_marks(b))
                 last = self.iteration == t.iterations
                 if t.eval_every and self.iteration % t.eval_every == 0 and not (last and t.eval_at_end):
-                    self._record_eval()
+                    if not self._record_eval():
+                        stopped = f"stop requested during the evaluation after iteration {self.iteration}; abandoned"
+                        break
                 if self._stop_requested():
                     stopped = "stop requested; finished the iteration"
                     break
                 if t.checkpoint_every and self.iteration % t.checkpoint_every == 0 and not last:
                     self.save_checkpoint()
+            # the final evaluation still honours a stop request: the checkpoint below is written either way
+            if stopped is None and t.eval_at_end and not self._record_eval():
+                stopped = "stop requested during the final evaluation; abandoned (a resume runs it)"
         bar.close()
         with self._crash_guard(bar):
-            if stopped is None and t.eval_at_end:
-                self._record_eval()
             path = self.save_checkpoint(light)
         self._snapshot = None
         summary = self.summary(path, stopped)
@@ -735,10 +757,14 @@ class Trainer(RunState):
                 self._metrics_stale = True
                 self._io_warning(str(path), err)
 
-    def _record_eval(self) -> None:
-        result = self.evaluate()
+    def _record_eval(self) -> bool:
+        """Evaluate and record the result; False when a stop request abandoned the evaluation (nothing recorded)."""
+        try:
+            result = self.evaluate()
+        except Trainer._Abandon:
+            return False
         if not result:
-            return
+            return True
         result["iteration"] = self.iteration
         self.evals.append(result)
         self._append_metrics(result)
@@ -746,6 +772,7 @@ class Trainer(RunState):
             self.logger.log(result, step=self.iteration)
         self._print("eval @ {}: ".format(self.iteration) + ", ".join(
             f"{k.split('/', 1)[1]}={v:.3f}" for k, v in result.items() if k.startswith("eval/") and "/" not in k[5:]))
+        return True
 
     def summary(self, checkpoint: Path | None, stopped: str | None) -> dict[str, Any]:
         first, last = (self.evals[0], self.evals[-1]) if self.evals else ({}, {})

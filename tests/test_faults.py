@@ -55,9 +55,13 @@ def test_an_update_that_blows_the_weights_up_is_rolled_back_and_the_run_stops_wi
     checkpoint holds diverged weights."""
     trainer = make(tmp_path, "trainer.iterations=4", "trainer.lr=1e6", "trainer.max_skipped_updates=2")
     start = weights(trainer)
-    with pytest.raises(NonFiniteError, match=r"2 optimizer updates in a row.*times their norm.*rolled back"):
+    with pytest.raises(NonFiniteError, match=r"2 optimizer updates in a row.*times their norm.*rolled back") as info:
         trainer.fit()
+    assert "trainer.resume_force=true" in str(info.value)  # resuming at a lower lr is a change of the run
     assert trainer.skipped_updates == 2 and trainer.updates == 0
+    # what the run recommends resuming from is the checkpoint of iteration 1, whose weights are the starting ones
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["resume_from"].endswith("checkpoint-000001") and summary["error"]["iteration"] == 2
     for before, live in zip(start, trainer.params):
         assert torch.equal(before, live.detach())
     assert all(not s for s in trainer.optimizer.state.values())  # the undone steps left no Adam moments
@@ -91,6 +95,48 @@ def test_a_rollout_that_is_not_finite_stops_the_run_and_no_checkpoint_of_those_w
     with pytest.warns(RuntimeWarning, match="marked diverged"):
         assert again.maybe_resume()
     assert again.iteration == 1
+
+
+def test_finite_latents_that_decode_to_inf_are_caught_before_the_reward(tmp_path):
+    """Weights that blow the latents up without making them infinite decode to inf or NaN pixels (clamping would
+    hide an inf): caught after decoding, before the reward reads them, as a divergence of the weights that drew
+    them (iteration 2's checkpoint is marked; iteration 1's is recommended)."""
+    trainer = make(tmp_path, "trainer.iterations=4")
+    real_decode, real_reward, scored = trainer.adapter.decode, trainer.reward, []
+
+    def decode(latents):
+        images = real_decode(latents)
+        return images * float("inf") if trainer.iteration == 2 else images
+
+    def reward(images, prompts, metadata=None):
+        scored.append(trainer.iteration)
+        return real_reward(images, prompts, metadata)
+
+    trainer.adapter.decode, trainer.reward = decode, reward
+    with pytest.raises(NonFiniteError, match=r"iteration 3: 4 of the decoded samples are not finite.*checkpoint-000001"):
+        trainer.fit()
+    assert scored == [0, 1]  # the reward never saw iteration 3's pixels
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    assert "marked diverged" in manager.verify(manager.path(2)) and manager.latest() == manager.path(1)
+
+
+def test_samples_that_are_not_finite_before_any_update_blame_the_model_and_write_no_checkpoint(tmp_path):
+    """NaN samples in iteration 1 come from the model itself (or its precision), not from training: the error says
+    so, and no checkpoint is written or recommended."""
+    trainer = make(tmp_path, "trainer.iterations=2")
+    real = trainer.rollout
+
+    def rollout(batch, iteration):
+        batch = real(batch, iteration)
+        batch.latents[0, -1] = float("inf")
+        return batch
+
+    trainer.rollout = rollout
+    with pytest.raises(NonFiniteError, match=r"iteration 1: 1 of the rollout's samples are not finite before any "
+                                             r"update: check model\.pretrained") as info:
+        trainer.fit()
+    assert "nothing to resume from" in "\n".join(info.value.__notes__)
+    assert not CheckpointManager(tmp_path / "checkpoints").checkpoints()
 
 
 _SMALL = ["logger=none", "trainer.prompts_per_iteration=2", "trainer.group_size=2", "trainer.train_batch_size=4",
@@ -243,6 +289,33 @@ def test_an_exception_checkpoints_the_last_iteration_and_resuming_equals_an_unin
     assert resumed.evals == uninterrupted["evals"]
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert _rows(metrics) == uninterrupted["metrics"]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("eval_before", [False, True], ids=["nothing_done", "baseline_evaluated"])
+def test_an_exception_before_anything_is_done_leaves_no_checkpoint_to_resume(tmp_path, eval_before):
+    """An error in iteration 1 with nothing done leaves no checkpoint-000000 (a fresh run is the same) and
+    recommends no resume; once the baseline evaluation ran, its checkpoint keeps that evaluation for the resume."""
+    trainer = make(tmp_path, "trainer.iterations=2", f"trainer.eval_before={str(eval_before).lower()}")
+    real = trainer.reward
+
+    def reward(images, prompts, metadata=None):
+        if trainer._phase == "score":  # the training rollout's reward; the evaluation's goes through
+            raise ConnectionError("reward server down")
+        return real(images, prompts, metadata)
+
+    trainer.reward = reward
+    with pytest.raises(ConnectionError) as info:
+        trainer.fit()
+    note = "\n".join(info.value.__notes__)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    steps = [s for s, _ in CheckpointManager(tmp_path / "checkpoints").checkpoints()]
+    if eval_before:
+        assert steps == [0] and "resume with trainer.resume=" in note
+        assert trainer.ckpt.load(trainer.ckpt.latest())["evals"] == trainer.evals and len(trainer.evals) == 1
+    else:
+        assert steps == [] and summary["checkpoint"] is None and summary["resume_from"] is None
+        assert "no checkpoint (no iteration completed" in note and "nothing to resume from" in note
 
 
 @pytest.mark.usefixtures("one_thread")

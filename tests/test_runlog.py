@@ -43,13 +43,15 @@ def test_train_log_holds_the_banner_evaluations_and_summary_and_no_stray_outputs
 @pytest.mark.parametrize("override, message", [
     ("trainer.output_dir={tmp}/file/run", "trainer.output_dir"),  # under a file: cannot be created
     ("trainer.iterations=0", "trainer.iterations=0 must be >= 1"),  # a config error, in Hydra's own run dir
-], ids=["output_dir_under_a_file", "config_error"])
+    # a size the local pipeline cannot generate, found from its config files before a run dir or the model
+    ("model=sd3_shapes model.height=63", "model.height=63: sd3 at assets/tiny-sd3-shapes generates sizes divisible"),
+], ids=["output_dir_under_a_file", "config_error", "size"])
 def test_a_run_that_fails_before_it_has_a_run_dir_leaves_no_stray_outputs_dir(tmp_path, override, message):
     work = tmp_path / "cwd"
     work.mkdir()
     (tmp_path / "file").write_text("not a dir")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "debug=default", override.format(tmp=tmp_path)],
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "debug=default", *override.format(tmp=tmp_path).split()],
                           cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and message in proc.stdout + proc.stderr
     assert list(work.iterdir()) == []  # no outputs/<date>/<time>/.hydra left behind

@@ -222,6 +222,67 @@ def test_sigterm_during_a_rollout_stops_before_its_next_chunk(tmp_path, monkeypa
     assert summary["stopped"] == "stop requested during rollout; iteration 1 abandoned" and trainer.iteration == 0
 
 
+@pytest.mark.parametrize("during", [1, 2], ids=["periodic_evaluation", "final_evaluation"])
+def test_sigterm_during_an_evaluation_abandons_it_between_batches_and_checkpoints(tmp_path, during):
+    """A stop request during a held-out evaluation (4 prompts in batches of 2) is honoured before its next batch:
+    the evaluation is dropped, the completed iterations are checkpointed and the run ends normally; an abandoned
+    final evaluation is what a resume then runs, and nothing else."""
+    import os
+    import signal
+
+    overrides = [*ALGOS["flow_grpo"], "trainer.eval_every=1", "trainer.eval_num_prompts=4",
+                 "trainer.rollout_batch_size=2"]
+    trainer = Trainer(make_cfg(tmp_path, *overrides), tmp_path)
+    real, calls = trainer.reward, []
+
+    def reward(images, prompts, metadata=None):
+        if trainer._phase == "update" and trainer.iteration == during:  # an evaluation after iteration `during`
+            calls.append(len(images))
+            if len(calls) == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return real(images, prompts, metadata)
+
+    trainer.reward = reward
+    summary = trainer.fit()  # no exception: a clean stop
+    assert calls == [2]  # the evaluation's second batch never ran
+    assert trainer.iteration == during and [e["iteration"] for e in trainer.evals] == list(range(1, during))
+    assert trainer.ckpt.load(trainer.ckpt.latest())["iteration"] == during
+    if during == 1:
+        assert summary["stopped"] == "stop requested during the evaluation after iteration 1; abandoned"
+        return
+    assert summary["stopped"] == "stop requested during the final evaluation; abandoned (a resume runs it)"
+    resumed = Trainer(make_cfg(tmp_path / "b", *overrides, f"trainer.resume={tmp_path}"), tmp_path / "b")
+    summary = resumed.fit()
+    assert summary["stopped"] is None and len(resumed.history) == 2  # no iteration ran again
+    assert [e["iteration"] for e in resumed.evals] == [1, 2]
+
+
+@pytest.mark.parametrize("algo", ["dance_grpo", "flash_grpo_tail"])
+def test_a_shared_noise_rollout_keeps_to_the_rollout_batch_size_across_groups(tmp_path, monkeypatch, algo):
+    """With one initial noise per group, chunks of trainer.rollout_batch_size may split a group (a stop request waits
+    for one chunk, not a whole group of trainer.group_size): 3 groups of 4 in chunks of 6 sample what one chunk of 12
+    samples, each part of a group integrating its shared prefix once."""
+    import flowgrpo.rollout as rollout_module
+
+    group = ["trainer.prompts_per_iteration=3", "trainer.group_size=4", "trainer.train_batch_size=12"]
+    whole = Trainer(make_cfg(tmp_path / "a", *ALGOS[algo], *group), tmp_path / "a")
+    reference = whole.rollout(whole.plan(0), 0)
+    split = Trainer(make_cfg(tmp_path / "b", *ALGOS[algo], *group, "trainer.rollout_batch_size=6"), tmp_path / "b")
+    real, chunks = rollout_module.ragged_rollout, []
+
+    def counted(*args, **kwargs):
+        chunks.append(len(args[1]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rollout_module, "ragged_rollout", counted)
+    batch = split.rollout(split.plan(0), 0)
+    assert chunks == [6, 6]  # group 1 (rows 4-7) is split between the chunks (whole groups made them 4, 4, 4)
+    finite = torch.isfinite(reference.latents)
+    assert torch.equal(finite, torch.isfinite(batch.latents))  # a compressed tail's unvisited states are NaN in both
+    torch.testing.assert_close(batch.latents[finite], reference.latents[finite], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(batch.log_probs, reference.log_probs, rtol=1e-4, atol=1e-3)
+
+
 def test_lora_checkpoint_loads_with_load_lora_weights(tmp_path):
     trainer = Trainer(make_cfg(tmp_path, *ALGOS["mix_grpo"], "trainer.iterations=1"), tmp_path)
     trainer.fit()
@@ -337,6 +398,13 @@ def test_a_resume_refuses_a_config_that_changes_the_run_and_passes_harmless_chan
 
     assert resume_config_changes({"trainer": {"lr": 1.0}}, {"trainer": {"lr": 1.0, "new_knob": 2}}) == (
         [], ["trainer.new_knob: '<absent>' -> 2"])  # a checkpoint from before a knob existed still resumes
+    # another algorithm's knobs are part of the algorithm's change, not a harmless difference beside it
+    meaningful, harmless = resume_config_changes({"algo": {"name": "mix_grpo", "window": {"size": 2}}},
+                                                 {"algo": {"name": "grpo"}})
+    assert meaningful == ["algo.name: 'mix_grpo' -> 'grpo'", "algo.window.size: 2 -> '<absent>'"] and harmless == []
+    # the divergence guard's bound is a guard, like trainer.max_skipped_updates: loosening it after a stop passes
+    assert resume_config_changes({"trainer": {"max_update_ratio": 1.0}}, {"trainer": {"max_update_ratio": 4.0}}) == (
+        [], ["trainer.max_update_ratio: 1.0 -> 4.0"])
     forced = Trainer(make_cfg(tmp_path / "d", resume, "trainer.lr=1e-2", "trainer.resume_force=true"), tmp_path / "d")
     assert forced.maybe_resume() and forced.iteration == 1
     assert "trainer.lr: 0.03 -> 0.01" in capsys.readouterr().out

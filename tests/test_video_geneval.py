@@ -408,3 +408,16 @@ def test_video_metadata_refuses_a_misspelt_clause_key_naming_the_nearest():
     bad = {"tag": "motion", "include": [{"class": "circle", "count": 1, "color": "red", "motoin": "right"}]}
     with pytest.raises(ValueError, match=r"include\[0\]: unknown key 'motoin' \(did you mean 'motion'\?\)"):
         validate_video_metadata(bad)
+    # one validator for both worlds: the image world's rules with the video tags, clause keys and motion words
+    from rewards.geneval.rules import validate_metadata
+
+    with pytest.raises(ValueError, match=r"metadata\.tag: expected one of \('single_object'"):
+        validate_metadata(good)  # the image defaults do not take the video tags
+    for clause, message in (({"colour": "red"}, r"unknown key 'colour' \(did you mean 'color'\?\)"),
+                            ({"motion": "sideways"}, r"include\[0\]\.motion: expected one of"),
+                            ({"speed": "quickly"}, r"include\[0\]\.speed: a speed needs a direction"),
+                            ({"position": ["left of", 0]}, r"include\[0\]\.position: video_geneval judges no")):
+        with pytest.raises(ValueError, match=message):
+            validate_video_metadata({"tag": "motion", "include": [{"class": "circle", "count": 1, **clause}]})
+    with pytest.raises(ValueError, match=r"exclude\[0\]: unknown key 'motion'"):  # exclude clauses: class, count
+        validate_video_metadata({**good, "exclude": [{"class": "square", "count": 1, "motion": "left"}]})

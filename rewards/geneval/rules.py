@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -98,37 +98,45 @@ def validate_metadata(
     classes: Sequence[str] | None = None,
     colors: Sequence[str] | None = None,
     where: str = "metadata",
+    *,
+    tags: Sequence[str] | None = None,
+    include_keys: Sequence[str] | None = None,
+    check_include: Callable[[Mapping, str, int], None] | None = None,
+    kind: str = "GenEval",
 ) -> dict:
     """Check one GenEval metadata dict; raise ``ValueError`` naming the offending field.
 
-    ``classes`` / ``colors``: the names the detector knows (None: anything goes).
+    The one validator of GenEval-style metadata: the image world's (the defaults) and, with its own ``tags``,
+    ``include_keys`` and ``check_include``, the video world's (``rewards.geneval.video.validate_video_metadata``).
+    Every clause is checked for its class, count, colour and for keys outside ``include_keys`` (an exclude clause:
+    ``EXCLUDE_KEYS``), which are refused naming the nearest known one.
+
+    Args:
+        classes / colors: the names the detector knows (None: anything goes).
+        tags: the tags a record may have (default: GenEval's six, :data:`TAGS`).
+        include_keys: the keys an include clause may have (default: :data:`INCLUDE_KEYS`).
+        check_include: ``(clause, where, index)``, the world's own checks of an include clause (default: the image
+            world's position rule, ``[relation, index of an earlier clause]``).
+        kind: what the record is called in the message of a record that is not a dict.
     """
+    tags = TAGS if tags is None else tuple(tags)
+    include_keys = INCLUDE_KEYS if include_keys is None else tuple(include_keys)
+    check_include = _check_position if check_include is None else check_include
     if not isinstance(metadata, Mapping):
-        raise ValueError(f"{where}: expected a GenEval metadata dict, got {type(metadata).__name__}")
+        raise ValueError(f"{where}: expected a {kind} metadata dict, got {type(metadata).__name__}")
     tag = metadata.get("tag")
-    if tag not in TAGS:
-        raise ValueError(f"{where}.tag: expected one of {TAGS}, got {tag!r}")
+    if tag not in tags:
+        raise ValueError(f"{where}.tag: expected one of {tags}, got {tag!r}")
     include = metadata.get("include")
     if not isinstance(include, Sequence) or isinstance(include, str) or len(include) == 0:
         raise ValueError(f"{where}.include: expected a non-empty list of clauses, got {include!r}")
     for i, clause in enumerate(include):
-        _check_clause(clause, f"{where}.include[{i}]", classes)
-        if "color" in clause and clause["color"] is not None:
-            color = clause["color"]
-            if not isinstance(color, str) or (colors is not None and color not in colors):
-                raise ValueError(f"{where}.include[{i}].color: expected one of {tuple(colors or ())}, got {color!r}")
-        if "position" in clause and clause["position"] is not None:
-            pos = clause["position"]
-            if not isinstance(pos, Sequence) or isinstance(pos, str) or len(pos) != 2:
-                raise ValueError(f"{where}.include[{i}].position: expected [relation, target clause index], got {pos!r}")
-            relation, target = pos
-            if relation not in RELATIONS:
-                raise ValueError(f"{where}.include[{i}].position[0]: expected one of {RELATIONS}, got {relation!r}")
-            if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= int(target) < i:
-                raise ValueError(
-                    f"{where}.include[{i}].position[1]: expected the index of an earlier include clause "
-                    f"(0..{i - 1}), got {target!r}"
-                )
+        here = f"{where}.include[{i}]"
+        _check_clause(clause, here, classes, include_keys)
+        color = clause.get("color")
+        if color is not None and (not isinstance(color, str) or (colors is not None and color not in colors)):
+            raise ValueError(f"{here}.color: expected one of {tuple(colors or ())}, got {color!r}")
+        check_include(clause, here, i)
     exclude = metadata.get("exclude", [])
     if exclude is None:
         exclude = []
@@ -137,6 +145,23 @@ def validate_metadata(
     for i, clause in enumerate(exclude):
         _check_clause(clause, f"{where}.exclude[{i}]", classes, EXCLUDE_KEYS)
     return dict(metadata)
+
+
+def _check_position(clause: Mapping, where: str, index: int) -> None:
+    """An image include clause's ``position``: ``[relation, index of an earlier include clause]``."""
+    pos = clause.get("position")
+    if pos is None:
+        return
+    if not isinstance(pos, Sequence) or isinstance(pos, str) or len(pos) != 2:
+        raise ValueError(f"{where}.position: expected [relation, target clause index], got {pos!r}")
+    relation, target = pos
+    if relation not in RELATIONS:
+        raise ValueError(f"{where}.position[0]: expected one of {RELATIONS}, got {relation!r}")
+    if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= int(target) < index:
+        raise ValueError(
+            f"{where}.position[1]: expected the index of an earlier include clause "
+            f"(0..{index - 1}), got {target!r}"
+        )
 
 
 #: the keys a clause may have: an include clause of an image prompt, an exclude clause (of any prompt)

@@ -91,13 +91,12 @@ from ..base import RewardOutput, register
 from ..images import degenerate
 from ..video import to_video
 from .rules import (
-    EXCLUDE_KEYS,
     MAX_OBJECTS,
     THRESHOLD,
     Detection,
-    _check_clause,
     geneval_correct,
     select_detections,
+    validate_metadata,
 )
 from .shapes import ShapesDetector
 
@@ -134,38 +133,26 @@ VIDEO_INCLUDE_KEYS = ("class", "count", "color", "motion", "speed", "position")
 
 def validate_video_metadata(metadata: object, classes: Sequence[str] | None = None, colors: Sequence[str] | None = None,
                             where: str = "metadata") -> dict:
-    """Check one video metadata dict; raise ``ValueError`` naming the offending field."""
-    if not isinstance(metadata, Mapping):
-        raise ValueError(f"{where}: expected a video GenEval metadata dict, got {type(metadata).__name__}")
-    tag = metadata.get("tag")
-    if tag not in VIDEO_TAGS:
-        raise ValueError(f"{where}.tag: expected one of {VIDEO_TAGS}, got {tag!r}")
-    include = metadata.get("include")
-    if not isinstance(include, Sequence) or isinstance(include, str) or len(include) == 0:
-        raise ValueError(f"{where}.include: expected a non-empty list of clauses, got {include!r}")
-    for i, clause in enumerate(include):
-        here = f"{where}.include[{i}]"
-        _check_clause(clause, here, classes, VIDEO_INCLUDE_KEYS)
-        color = clause.get("color")
-        if color is not None and (not isinstance(color, str) or (colors is not None and color not in colors)):
-            raise ValueError(f"{here}.color: expected one of {tuple(colors or ())}, got {color!r}")
-        if clause.get("position") is not None:
-            raise ValueError(f"{here}.position: video_geneval judges no positions (the video tags have none)")
-        motion, speed = clause.get("motion"), clause.get("speed")
-        if motion is not None and motion not in MOTIONS:
-            raise ValueError(f"{here}.motion: expected one of {MOTIONS}, got {motion!r}")
-        if speed is not None:
-            if speed not in SPEED_BANDS:
-                raise ValueError(f"{here}.speed: expected one of {tuple(SPEED_BANDS)}, got {speed!r}")
-            if motion not in DIRECTIONS:
-                raise ValueError(f"{here}.speed: a speed needs a direction in 'motion' ({tuple(DIRECTIONS)}), "
-                                 f"got {motion!r}")
-    exclude = metadata.get("exclude") or []
-    if not isinstance(exclude, Sequence) or isinstance(exclude, str):
-        raise ValueError(f"{where}.exclude: expected a list of clauses, got {exclude!r}")
-    for i, clause in enumerate(exclude):
-        _check_clause(clause, f"{where}.exclude[{i}]", classes, EXCLUDE_KEYS)
-    return dict(metadata)
+    """Check one video metadata dict; raise ``ValueError`` naming the offending field. The image world's validator
+    (:func:`rewards.geneval.rules.validate_metadata`) with the video tags, the video clause keys and the motion
+    words in place of positions."""
+    return validate_metadata(metadata, classes, colors, where, tags=VIDEO_TAGS, include_keys=VIDEO_INCLUDE_KEYS,
+                             check_include=_check_motion, kind="video GenEval")
+
+
+def _check_motion(clause: Mapping, where: str, index: int) -> None:
+    """A video include clause: no position; ``motion`` one of :data:`MOTIONS`; ``speed`` a band, with a direction."""
+    if clause.get("position") is not None:
+        raise ValueError(f"{where}.position: video_geneval judges no positions (the video tags have none)")
+    motion, speed = clause.get("motion"), clause.get("speed")
+    if motion is not None and motion not in MOTIONS:
+        raise ValueError(f"{where}.motion: expected one of {MOTIONS}, got {motion!r}")
+    if speed is not None:
+        if speed not in SPEED_BANDS:
+            raise ValueError(f"{where}.speed: expected one of {tuple(SPEED_BANDS)}, got {speed!r}")
+        if motion not in DIRECTIONS:
+            raise ValueError(f"{where}.speed: a speed needs a direction in 'motion' ({tuple(DIRECTIONS)}), "
+                             f"got {motion!r}")
 
 
 # --------------------------------------------------------------------------------------------------- tracks
