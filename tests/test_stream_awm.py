@@ -318,6 +318,32 @@ def test_per_segment_advantages_reach_the_blocks_of_their_segment_only(rolled):
     assert any(p.grad is not None and p.grad.abs().max() > 0 for p in ctx.params)
 
 
+def test_stream_plus_segment_advantages_add_the_streams_to_its_segments(rolled):
+    adapter, cond, x0 = rolled
+    algo = StreamAWM(adapter.sigmas(STEPS), kernel="cps", chunks=x0.shape[1], advantage="stream+segment",
+                     ema_kl_beta=0.0, kl_beta=0.0)
+    batch = make_batch(adapter, cond, x0, algo)
+    nan = float("nan")
+    batch.components = {  # segment 1 differs in group 0, segment 2 in group 1
+        "segment0/adherence": torch.tensor([0.5, 0.5, 0.2, 0.2]),
+        "segment1/adherence": torch.tensor([0.9, 0.1, 0.4, 0.4]),
+        "segment2/adherence": torch.tensor([nan, nan, 0.0, 1.0]),
+    }
+    algo.cfg.segment_components = ["adherence"]
+    assert algo.local_advantages(batch) is None          # the stream advantages come from the whole reward
+    per_segment = batch.extras["segment_advantages"]
+    batch.advantages = torch.tensor([-1.0, 1.0, 0.5, -0.5])
+    rows = torch.arange(4)
+    blocks = algo.block_advantages(batch, rows)
+    expected = batch.advantages[:, None] + per_segment.gather(1, cond.segments)
+    assert torch.equal(blocks, expected)
+    # a block of a segment that ties within its group carries the stream's advantage alone
+    tied = per_segment.gather(1, cond.segments) == 0
+    assert tied.any() and torch.equal(blocks[tied], batch.advantages[:, None].expand_as(blocks)[tied])
+    # the members' segment advantages oppose their stream advantages in group 0's segment 1: they cancel there
+    assert blocks[0][cond.segments[0] == 1].abs().max() < 1.0
+
+
 def test_segment_advantages_by_hand_and_errors_name_the_key():
     segments = torch.tensor([[0, 0, 1], [0, 0, 1]])
     comps = {"segment0/a": torch.tensor([1.0, 3.0]), "segment0/b": torch.tensor([1.0, 1.0]),

@@ -28,7 +28,9 @@ to float rounding). Per block ``k``:
 * the policy term ``−Â_k·exp(w_k − sg(w_k))``; ``Â_k`` is the stream's advantage (``algo.advantage=stream``) or
   the advantage of block ``k``'s segment (``algo.advantage=segment``: per segment, the mean of the reward's
   ``segment<j>/<name>`` components named by ``algo.segment_components``, group-normalised with the group's std;
-  each process holds whole groups), clipped and scaled as AWM's;
+  each process holds whole groups), or their sum (``algo.advantage=stream+segment``: the whole stream's outcome
+  and the block's own segment's, so the components only the whole stream has, identity and anti-freeze, still
+  weigh), clipped and scaled as AWM's;
 * ``L = mean_k(policy) + algo.ema_kl_beta·mean‖v_θ − v_ema‖² + algo.kl_beta·mean‖v_θ − v_ref‖²``, the velocities
   of the EMA trust region (AWM's, moved after every iteration) and of the reference (LoRA disabled) computed by the
   same teacher-forced forward.
@@ -59,7 +61,7 @@ from .old_policy import OldPolicy
 
 __all__ = ["StreamAWMConfig", "StreamAWM", "stratified_sigmas", "sigma_cdf", "schedule_shift", "segment_advantages"]
 
-ADVANTAGES = ("stream", "segment")
+ADVANTAGES = ("stream", "segment", "stream+segment")
 
 
 @dataclass
@@ -74,8 +76,9 @@ class StreamAWMConfig(AlgoConfig):
     weighting: str = _knob("ghuber", choices=WEIGHTINGS)  # w(l, sigma) in the policy term, per block
     ghuber_power: float = _knob(0.25, gt=0)  # p of the ghuber weighting
     advantage_max: float = _knob(1.0, gt=0)  # clipped advantages scaled to [-advantage_max, advantage_max]
-    advantage: str = _knob("stream", choices=ADVANTAGES)  # stream: every block the stream's; segment: its segment's
-    # advantage=segment: a segment's reward is the mean of these segment<k>/<name> components of the reward
+    # stream: every block the stream's; segment: its segment's; stream+segment: the sum of the two
+    advantage: str = _knob("stream", choices=ADVANTAGES)
+    # advantage=segment / stream+segment: a segment's reward is the mean of these segment<k>/<name> components
     segment_components: List[str] = field(default_factory=lambda: ["adherence", "direction", "speed"])
     logit_mean: float = 0.0  # noise levels: u = sigmoid(N(logit_mean, logit_std^2)), as the pretraining draws them
     logit_std: float = _knob(1.0, gt=0)  # std of that normal
@@ -195,22 +198,25 @@ class StreamAWM(EMATrustRegion, Algorithm):
 
     # ------------------------------------------------------------------------------------------ phase 4
     def local_advantages(self, batch: Batch) -> torch.Tensor | None:
-        """``algo.advantage=segment``: per-segment group advantages (kept in ``batch.extras``); returns each
-        stream's mean over its blocks. ``stream``: ``None``, the stream advantages of the gathered rewards."""
-        if self.cfg.advantage != "segment":
+        """Per-segment group advantages (``algo.advantage=segment`` or ``stream+segment``) are kept in
+        ``batch.extras``. ``segment`` returns each stream's mean of them over its blocks (the stream's logged
+        advantage); ``stream`` and ``stream+segment`` return ``None``: the stream advantages of the gathered
+        rewards."""
+        if self.cfg.advantage == "stream":
             return None
         segments = batch.cond.segments.cpu()
         per_segment = segment_advantages(batch.components, segments, batch.plan.group_size,
                                          list(self.cfg.segment_components), self.cfg.adv_clip)
         batch.extras["segment_advantages"] = per_segment
-        return per_segment.gather(1, segments).mean(1)
+        return per_segment.gather(1, segments).mean(1) if self.cfg.advantage == "segment" else None
 
     def block_advantages(self, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
-        """``[b, K]`` each block's advantage before scaling: its stream's, or its segment's."""
-        if self.cfg.advantage == "segment":
-            per_segment = batch.extras["segment_advantages"][rows]
-            return per_segment.gather(1, batch.cond.segments[rows].cpu())
-        return batch.advantages[rows].detach().float().cpu().unsqueeze(1).expand(len(rows), self.num_chunks)
+        """``[b, K]`` each block's advantage before scaling: its stream's, its segment's, or their sum."""
+        stream = batch.advantages[rows].detach().float().cpu().unsqueeze(1).expand(len(rows), self.num_chunks)
+        if self.cfg.advantage == "stream":
+            return stream
+        per_segment = batch.extras["segment_advantages"][rows].gather(1, batch.cond.segments[rows].cpu())
+        return per_segment if self.cfg.advantage == "segment" else stream + per_segment
 
     # ------------------------------------------------------------------------------------------ phase 5
     def block_sigmas(self, generator: torch.Generator) -> torch.Tensor:
@@ -250,8 +256,9 @@ class StreamAWM(EMATrustRegion, Algorithm):
 
     def describe(self) -> str:
         cfg = self.cfg
-        adv = ("per-segment advantages (" + ", ".join(cfg.segment_components) + ")" if cfg.advantage == "segment"
-               else self._adv_text())
+        seg = "per-segment advantages (" + ", ".join(cfg.segment_components) + ")"
+        adv = {"stream": self._adv_text(), "segment": seg,
+               "stream+segment": f"{self._adv_text()} plus {seg}"}[cfg.advantage]
         return (f"stream_awm (streaming AWM): {self.num_chunks} blocks × {self.num_steps} steps rolled out with "
                 f"{self._kernel_text()}; one teacher-forced forward per stream, {self.num_chunks} stratified noise "
                 f"levels (shift {self.time_shift:g}), {cfg.weighting} weighting, EMA trust region "
