@@ -5,8 +5,8 @@ checkpoints' own ``config.json`` files, or a local diffusers folder) under PyTor
 shape, dtype and device but no memory, so a 12B transformer costs nothing to build and a forward at real size takes
 seconds. The run's own code then executes on them — ``prepare_trainable`` (LoRA or full fine-tuning, gradient
 checkpointing), the algorithm's rollout engine (``Algorithm.make_rollout``), ``adapter.decode`` as the trainer's score
-phase calls it, the algorithm's ``loss`` through an :class:`~flowgrpo.algorithms.UpdateContext` and its backward,
-AdamW's step, and :func:`flowgrpo.evaluation.generate` — while
+phase calls it, the algorithm's ``loss`` through the trainer's :class:`~flowgrpo.context.TrainerContext` and its
+backward, AdamW's step, and :func:`flowgrpo.evaluation.generate` — while
 
 * :class:`MemoryTracker` (a ``TorchDispatchMode``) counts every tensor storage alive, by category (weights,
   gradients, optimizer state, activations, other: the batch the iteration holds), and keeps the split at the peak;
@@ -46,13 +46,14 @@ import time
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .algorithms import UpdateContext
+from .context import TrainerContext
 
 __all__ = ["GPU", "GPUS", "MemoryTracker", "fake_mode", "flop_counter", "arch_dir", "build_pipeline",
            "PhasePlan", "RunPlan", "plan_run", "CATEGORIES"]
@@ -618,37 +619,14 @@ class RunPlan:
 # -------------------------------------------------------------------------------------------- the phases
 
 
-class _PlanContext(UpdateContext):
-    """The planner's :class:`~flowgrpo.algorithms.UpdateContext`, as :class:`flowgrpo.context.TrainerContext`: the
-    trained transformer's velocity with the training guidance under autocast, and the reference policy."""
-
-    def __init__(self, adapter, unwrapped, ref_copy, guidance, autocast, algorithm, params, seed):
-        self.adapter, self.unwrapped, self.ref_copy = adapter, unwrapped, ref_copy
-        self.guidance, self.autocast, self.algorithm = guidance, autocast, algorithm
-        self.params, self.updates, self.seed = params, 0, seed
-        self.iteration = self.epoch = 0
-        self._module = None
-
-    def velocity(self, x, sigma, cond):
-        guidance = self.guidance if self.algorithm.cfg_in_training else {"guidance_scale": 1.0}
-        with self.autocast():
-            return self.adapter.velocity(x, sigma, cond, transformer=self._module, **guidance)
-
-    @contextlib.contextmanager
-    def reference(self):
-        from .finetune import reference_policy
-
-        with reference_policy(self.unwrapped, self.ref_copy) as ref:
-            saved, self._module = self._module, ref
-            try:
-                yield
-            finally:
-                self._module = saved
-
-    def generator(self, *keys: int) -> torch.Generator:
-        from .seeding import ALGO_STREAM, seeded_generator
-
-        return seeded_generator(self.seed, ALGO_STREAM, self.iteration, self.epoch, *keys)
+def _plan_context(adapter, unwrapped, ref_copy, guidance, autocast, algorithm, params, seed) -> TrainerContext:
+    """The trainer's own :class:`~flowgrpo.context.TrainerContext` (the trained transformer's velocity with the
+    training guidance under autocast, the reference policy, keyed generators) over a stand-in holding what it reads
+    of a trainer: the planned update reaches the model through the code a run's update does."""
+    trainer = SimpleNamespace(adapter=adapter, unwrapped=unwrapped, ref_copy=ref_copy, model_kw={"guidance": guidance},
+                              acc=SimpleNamespace(autocast=autocast), algorithm=algorithm, params=params, updates=0,
+                              cfg=SimpleNamespace(trainer=SimpleNamespace(seed=seed)))
+    return TrainerContext(trainer)
 
 
 def _reward_models(cfg: DictConfig) -> list[tuple[str, str, int]]:
@@ -846,7 +824,7 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
             if batch is None:
                 raise ValueError("the update phase needs the rollout phase first")
             micro = bp.train_micro_batch
-            ctx = _PlanContext(adapter, unwrapped, ref_copy, g, autocast, algorithm, params, seed)
+            ctx = _plan_context(adapter, unwrapped, ref_copy, g, autocast, algorithm, params, seed)
             steps_mask = batch.plan.train_mask.flatten(1)
             steps = torch.stack([r.nonzero().squeeze(1) for r in steps_mask])
             rows_mb = torch.arange(0, min(micro, n_local))
