@@ -20,7 +20,6 @@ Importing this module registers the schemas (idempotent).
 from __future__ import annotations
 
 import dataclasses
-import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -29,6 +28,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from samplers import KERNELS, SOLVERS
+
+from .knobs import knob as _knob  # noqa: F401  (the schemas' field; flowgrpo.knobs.knob)
+from .registry import ALGORITHMS, load_algorithms
 
 __all__ = [
     "ModelConfig",
@@ -54,13 +56,6 @@ __all__ = [
 
 class ConfigError(ValueError):
     """A config value is outside its allowed set or range; the message names the full key."""
-
-
-def _knob(default: Any = MISSING, *, choices: tuple | None = None, ge: float | None = None,
-          gt: float | None = None, le: float | None = None):
-    """A dataclass field carrying the constraints :func:`validate` checks."""
-    meta = {k: v for k, v in dict(choices=choices, ge=ge, gt=gt, le=le).items() if v is not None}
-    return field(default=default, metadata=meta)
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -331,8 +326,7 @@ def register_configs() -> ConfigStore:
     for group, schema in GROUP_SCHEMAS.items():
         if group != "algo":  # an algorithm option extends its own schema, algo/base_<name>
             cs.store(group=group, name=f"base_{group}", node=schema)
-    base = sys.modules.get("flowgrpo.algorithms.base")
-    for name, cls in getattr(base, "ALGORITHMS", {}).items():
+    for name, cls in ALGORITHMS.items():
         cs.store(group="algo", name=f"base_{name}", node=cls.config_class)
     return cs
 
@@ -343,8 +337,6 @@ def algo_schema(name: str) -> type:
     Raises:
         ConfigError: naming ``algo.name`` and the registered algorithms.
     """
-    from .algorithms import ALGORITHMS
-
     if name not in ALGORITHMS:
         raise ConfigError(f"algo.name={name!r} is not one of {', '.join(sorted(ALGORITHMS))}")
     return ALGORITHMS[name].config_class
@@ -459,8 +451,6 @@ def _model_option() -> str | None:
 def streaming_model_message(model: DictConfig, algo: str, option: str | None = None) -> str:
     """Why ``algo`` cannot train a streaming model, and what can (``option``: its ``model=`` name; default: the
     running Hydra app's choice)."""
-    from .algorithms import ALGORITHMS
-
     option = option or _model_option()
     streaming = sorted(n for n, a in ALGORITHMS.items() if a.streaming)
     return (f"{'model=' + option if option else 'this model'} is a streaming model (model.family={model.family!r}): "
@@ -471,8 +461,6 @@ def streaming_model_message(model: DictConfig, algo: str, option: str | None = N
 
 def _stream_checks(cfg: DictConfig, errors: list[str]) -> None:
     """A streaming model trains with a streaming algorithm over its own few-step schedule; and the other way round."""
-    from .algorithms import ALGORITHMS
-
     m, s, a = cfg.get("model"), cfg.get("sampler"), cfg.get("algo")
     if m is None or a is None or OmegaConf.is_missing(m, "family") or OmegaConf.is_missing(a, "name") \
             or a.name not in ALGORITHMS:
@@ -517,8 +505,6 @@ def _cross_checks(cfg: DictConfig, errors: list[str]) -> None:
     if t is not None and len(t.adam_betas) != 2:
         errors.append(f"trainer.adam_betas={list(t.adam_betas)} must hold two values [beta1, beta2]")
     if a is not None and s is not None and not OmegaConf.is_missing(a, "name"):
-        from .algorithms import ALGORITHMS
-
         if a.name in ALGORITHMS:  # an unknown name is reported by _check_fields
             errors.extend(ALGORITHMS[a.name].check_config(a, s))
 
@@ -581,4 +567,4 @@ def _schema_of(node: DictConfig, errors: list[str]) -> type | None:
 register_configs()
 # Every algorithm module stores its own schema when its class is defined (Algorithm.__init_subclass__); importing
 # the package here makes `import flowgrpo.config` enough for Hydra to compose any algo option.
-from . import algorithms  # noqa: E402,F401
+load_algorithms()

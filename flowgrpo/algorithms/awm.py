@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from ..config import AlgoConfig, _knob
+from ..config import AlgoConfig
+from ..knobs import knob
 from .base import Algorithm, Batch, UpdateContext
 from .losses import keyed_noise, renoise
 from .old_policy import OldPolicy
@@ -58,15 +59,15 @@ class AWMConfig(AlgoConfig):
 
     global_std: bool = True  # (r - mean_prompt) / std over the whole batch, as the authors' global_std
     cfg_in_training: bool = False  # fit the conditional velocity (the authors train without CFG); rollouts keep CFG
-    kl_beta: float = _knob(0.001, ge=0)  # weight of mean (v_theta - v_ref)^2, the reference = LoRA disabled
-    ema_kl_beta: float = _knob(1.0, ge=0)  # weight of mean (v_theta - v_ema)^2 (the trust region)
-    ema_kl_decay: float = _knob(0.3, ge=0, le=0.999)  # cap of the EMA decay d = min(cap, 0.001 u)
-    train_timesteps: int = _knob(6, ge=1)  # noise levels trained per sample, one per stratum
-    timestep_fraction: float = _knob(0.9, gt=0, le=1)  # strata cover grid indices [lo, int(T * f))
+    kl_beta: float = knob(0.001, ge=0)  # weight of mean (v_theta - v_ref)^2, the reference = LoRA disabled
+    ema_kl_beta: float = knob(1.0, ge=0)  # weight of mean (v_theta - v_ema)^2 (the trust region)
+    ema_kl_decay: float = knob(0.3, ge=0, le=0.999)  # cap of the EMA decay d = min(cap, 0.001 u)
+    train_timesteps: int = knob(6, ge=1)  # noise levels trained per sample, one per stratum
+    timestep_fraction: float = knob(0.9, gt=0, le=1)  # strata cover grid indices [lo, int(T * f))
     skip_first: bool = True  # lo = 1: sigma = 1 is never trained (the authors' discrete_wo_init)
-    weighting: str = _knob("ghuber", choices=WEIGHTINGS)  # w(l, sigma) in the policy term
-    ghuber_power: float = _knob(0.25, gt=0)  # p of the ghuber weighting
-    advantage_max: float = _knob(1.0, gt=0)  # clipped advantages scaled to [-advantage_max, advantage_max]
+    weighting: str = knob("ghuber", choices=WEIGHTINGS)  # w(l, sigma) in the policy term
+    ghuber_power: float = knob(0.25, gt=0)  # p of the ghuber weighting
+    advantage_max: float = knob(1.0, gt=0)  # clipped advantages scaled to [-advantage_max, advantage_max]
 
 
 def awm_weight(loss: torch.Tensor, sigma: torch.Tensor, weighting: str, power: float = 0.25) -> torch.Tensor:

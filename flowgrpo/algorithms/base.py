@@ -28,19 +28,16 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, ContextManager, Iterator
 
 import torch
-from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from samplers import KERNELS, SOLVERS, compress_tail, sde_bounds
 
 from ..advantages import group_advantages
 from ..config import AlgoConfig
+from ..registry import ALGORITHMS, register_algorithm  # name → Algorithm subclass, filled as classes are defined
 from ..rollout import PlanRollout, Rollout, SamplingModel
 
 __all__ = ["RolloutPlan", "Batch", "UpdateContext", "Algorithm", "ALGORITHMS", "build_algorithm"]
-
-#: name → Algorithm subclass, filled by ``Algorithm.__init_subclass__``.
-ALGORITHMS: dict[str, type["Algorithm"]] = {}
 
 
 @dataclass
@@ -281,9 +278,8 @@ class Algorithm:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if cls.name:
-            ALGORITHMS[cls.name] = cls
-            # its schema, for `algo/<name>.yaml`'s defaults list (flowgrpo.config.register_configs does the same)
-            ConfigStore.instance().store(group="algo", name=f"base_{cls.name}", node=cls.config_class)
+            # its class by name, and its schema for `algo/<name>.yaml`'s defaults list (flowgrpo.registry)
+            register_algorithm(cls)
 
     def __init__(
         self,

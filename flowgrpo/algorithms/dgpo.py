@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from ..config import AlgoConfig, _knob
+from ..config import AlgoConfig
+from ..knobs import knob
 from .base import Algorithm, Batch, UpdateContext
 from .losses import keyed_noise, renoise, sq_mean
 from .old_policy import OldPolicy
@@ -49,15 +50,15 @@ __all__ = ["DGPOConfig", "DGPO", "dgpo_policy_loss", "dsm_clip_mask"]
 class DGPOConfig(AlgoConfig):
     """``algo=dgpo``: the authors' SD3.5-M GenEval defaults."""
 
-    kl_beta: float = _knob(0.02, ge=0)  # weight of mean (v_theta - v_ref)^2 (the authors' train.beta)
+    kl_beta: float = knob(0.02, ge=0)  # weight of mean (v_theta - v_ref)^2 (the authors' train.beta)
     cfg_in_training: bool = False  # the authors train without classifier-free guidance
-    beta_dpo: float = _knob(100.0, gt=0)  # scale of the group's preference margin z_g
-    train_timesteps: int = _knob(4, ge=1)  # distinct noise levels trained per sample (the same for the batch)
-    trunc_steps: int = _knob(4, ge=0)  # levels are drawn from grid indices 0 .. trunc_steps (high noise)
+    beta_dpo: float = knob(100.0, gt=0)  # scale of the group's preference margin z_g
+    train_timesteps: int = knob(4, ge=1)  # distinct noise levels trained per sample (the same for the batch)
+    trunc_steps: int = knob(4, ge=0)  # levels are drawn from grid indices 0 .. trunc_steps (high noise)
     clip_dsm: bool = True  # the DSM clip against the slow copy
-    clip_range: float = _knob(1e-2, gt=0)  # its epsilon
+    clip_range: float = knob(1e-2, gt=0)  # its epsilon
     use_ema_ref: bool = False  # the slow copy as the DPO reference instead of the LoRA-disabled model
-    ema_decay_cap: float = _knob(0.3, ge=0, le=0.999)  # the slow copy's decay d = min(cap, 0.001 u)
+    ema_decay_cap: float = knob(0.3, ge=0, le=0.999)  # the slow copy's decay d = min(cap, 0.001 u)
 
 
 def dgpo_policy_loss(loss: torch.Tensor, ref_loss: torch.Tensor, advantages: torch.Tensor, group_size: int,

@@ -38,7 +38,8 @@ from typing import Any, Iterator
 
 import torch
 
-from ..config import AlgoConfig, _knob
+from ..config import AlgoConfig
+from ..knobs import knob
 from .base import Algorithm, Batch, UpdateContext
 from .losses import keyed_noise, renoise, sq_mean
 from .old_policy import OldPolicy
@@ -54,12 +55,12 @@ class DiffusionNFTConfig(AlgoConfig):
     """``algo=diffusion_nft``: the authors' defaults (SD3.5-M, GenEval)."""
 
     global_std: bool = True  # (r - mean_prompt) / std over the whole batch, as the authors' stat tracker
-    kl_beta: float = _knob(1e-4, ge=0)  # weight of mean (v_theta - v_ref)^2 (the authors' train.beta)
-    beta: float = _knob(1.0, gt=0)  # mixing of the implicit policies v+- (the authors' beta; 0.1 learns faster, less stable)
-    timestep_fraction: float = _knob(0.99, gt=0, le=1)  # noise levels trained per sample: int(T * f) of the T grid points
-    decay_type: int = _knob(1, choices=(0, 1, 2))  # old-policy EMA schedule: 0 on-policy, 1 min(0.001u, 0.5), 2 delayed
-    adv_mode: str = _knob("all", choices=ADV_MODES)  # reshape the clipped advantage before the map to r
-    loss_space: str = _knob("x0", choices=("x0", "v"))  # x0: the authors' adaptive-weighted loss; v: the paper's
+    kl_beta: float = knob(1e-4, ge=0)  # weight of mean (v_theta - v_ref)^2 (the authors' train.beta)
+    beta: float = knob(1.0, gt=0)  # mixing of the implicit policies v+- (the authors' beta; 0.1 learns faster, less stable)
+    timestep_fraction: float = knob(0.99, gt=0, le=1)  # noise levels trained per sample: int(T * f) of the T grid points
+    decay_type: int = knob(1, choices=(0, 1, 2))  # old-policy EMA schedule: 0 on-policy, 1 min(0.001u, 0.5), 2 delayed
+    adv_mode: str = knob("all", choices=ADV_MODES)  # reshape the clipped advantage before the map to r
+    loss_space: str = knob("x0", choices=("x0", "v"))  # x0: the authors' adaptive-weighted loss; v: the paper's
 
 
 def old_policy_decay(updates: int, decay_type: int) -> float:

@@ -29,7 +29,7 @@ import torch
 
 from samplers import flash_plan, kernel_lambda, single_step_mask
 
-from ..config import _knob
+from ..knobs import knob
 from .base import RolloutPlan
 from .policy_gradient import PolicyGradient, PolicyGradientConfig
 
@@ -40,11 +40,11 @@ __all__ = ["FlashGRPOConfig", "FlashGRPO"]
 class FlashGRPOConfig(PolicyGradientConfig):
     """``algo=flash_grpo``: the paper's defaults."""
 
-    clip_range: float = _knob(1e-3, gt=0)  # Flash-GRPO's epsilon (per-element mean log-prob)
+    clip_range: float = knob(1e-3, gt=0)  # Flash-GRPO's epsilon (per-element mean log-prob)
     global_std: bool = True  # (r - mean_prompt) / std over the whole batch
-    max_step: Optional[int] = _knob(None, ge=1)  # K: k_p ~ U{0..K-1}; null = the first half of sampler.num_steps
+    max_step: Optional[int] = knob(None, ge=1)  # K: k_p ~ U{0..K-1}; null = the first half of sampler.num_steps
     rectify: bool = True  # weight each transition by (1/lambda_k)/mean(1/lambda): equal gradient scale across steps
-    compress_ratio: float = _knob(1.0, gt=0, le=1)  # < 1: the ODE steps after k_p on max(1, floor(n*ratio)) steps (sampler.solver)
+    compress_ratio: float = knob(1.0, gt=0, le=1)  # < 1: the ODE steps after k_p on max(1, floor(n*ratio)) steps (sampler.solver)
 
 
 class FlashGRPO(PolicyGradient):

@@ -49,7 +49,8 @@ import torch
 
 from samplers import sde_kl, sde_step
 
-from ..config import ConfigError, _knob
+from ..config import ConfigError
+from ..knobs import knob
 from .base import Batch, UpdateContext
 from .grpo import GRPO, GRPOConfig
 from .losses import ppo_clip_loss, reduce_log_prob
@@ -65,18 +66,18 @@ KL_REWARDS = ("sampled", "exact")
 class FlowOPDConfig(GRPOConfig):
     """``algo=flow_opd``: the authors' defaults; ``algo.teachers`` must name at least one teacher checkpoint."""
 
-    kl_beta: float = _knob(0.0, ge=0)  # Flow-GRPO's KL to the reference is replaced by MAR (mar_beta)
-    timestep_fraction: float = _knob(0.9, gt=0, le=1)  # 9 of 10 SDE steps trained (the authors' int(10 * 0.99))
-    timestep_selection: str = _knob("first", choices=("random", "first"))  # the first ones, as Flow-GRPO's trainer
+    kl_beta: float = knob(0.0, ge=0)  # Flow-GRPO's KL to the reference is replaced by MAR (mar_beta)
+    timestep_fraction: float = knob(0.9, gt=0, le=1)  # 9 of 10 SDE steps trained (the authors' int(10 * 0.99))
+    timestep_selection: str = knob("first", choices=("random", "first"))  # the first ones, as Flow-GRPO's trainer
     teachers: Dict[str, str] = field(default_factory=dict)  # name -> a teacher run's dir / checkpoint (same model)
-    routing: str = _knob("alternate", choices=ROUTINGS)  # alternate: one teacher per iteration; metadata: per prompt
+    routing: str = knob("alternate", choices=ROUTINGS)  # alternate: one teacher per iteration; metadata: per prompt
     schedule: List[str] = field(default_factory=list)  # alternate: teacher names cycled per iteration; [] = each once
     route_key: str = "task"  # metadata: the prompt metadata field naming its teacher
     kl_scale: float = -1.0  # A_t = kl_scale * r_t (negative: the reward is -KL)
-    kl_reward: str = _knob("sampled", choices=KL_REWARDS)  # sampled: log-ratio at the taken step; exact: closed-form KL
-    task_weight: float = _knob(0.0, ge=0)  # > 0: add the task reward's group advantage (the authors' mixed mode)
+    kl_reward: str = knob("sampled", choices=KL_REWARDS)  # sampled: log-ratio at the taken step; exact: closed-form KL
+    task_weight: float = knob(0.0, ge=0)  # > 0: add the task reward's group advantage (the authors' mixed mode)
     detach_kl: bool = True  # kl_reward=exact: the reward carries no gradient (the paper); false: the authors' code
-    mar_beta: float = _knob(0.04, ge=0)  # weight of KL(pi_theta || pi_MAR) on all data
+    mar_beta: float = knob(0.04, ge=0)  # weight of KL(pi_theta || pi_MAR) on all data
     mar: Optional[str] = None  # checkpoint of the MAR policy; null = the reference (LoRA disabled)
     cold_start: bool = True  # start the student at the average of the teachers' trainable weights
 

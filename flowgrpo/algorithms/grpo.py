@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import _knob
+from ..knobs import knob
 from .policy_gradient import PolicyGradient, PolicyGradientConfig
 from .schedule import SELECTIONS, select_trained, trained_step_count
 
@@ -28,9 +28,9 @@ __all__ = ["GRPOConfig", "GRPO", "DanceGRPOConfig", "DanceGRPO"]
 class GRPOConfig(PolicyGradientConfig):
     """``algo=grpo``: Flow-GRPO's defaults (its GenEval recipe, per-group std)."""
 
-    kl_beta: float = _knob(0.04, ge=0)  # Flow-GRPO's beta (the authors' geneval_sd3 and general_ocr_sd3 configs)
-    timestep_fraction: float = _knob(1.0, gt=0, le=1)  # fraction of each sample's SDE steps trained (DanceGRPO 0.6)
-    timestep_selection: str = _knob("random", choices=SELECTIONS)  # random per sample, or first = the noisiest
+    kl_beta: float = knob(0.04, ge=0)  # Flow-GRPO's beta (the authors' geneval_sd3 and general_ocr_sd3 configs)
+    timestep_fraction: float = knob(1.0, gt=0, le=1)  # fraction of each sample's SDE steps trained (DanceGRPO 0.6)
+    timestep_selection: str = knob("random", choices=SELECTIONS)  # random per sample, or first = the noisiest
 
 
 def trained_fraction(cfg: GRPOConfig, n: int, note: str) -> tuple[int, str]:
@@ -91,8 +91,8 @@ class GRPO(PolicyGradient):
 class DanceGRPOConfig(GRPOConfig):
     """``algo=dance_grpo``: DanceGRPO's defaults (no KL, 60% of the steps, one initial noise per group)."""
 
-    kl_beta: float = _knob(0.0, ge=0)  # DanceGRPO trains without a KL term
-    timestep_fraction: float = _knob(0.6, gt=0, le=1)  # DanceGRPO trains a random 60% of the steps per sample
+    kl_beta: float = knob(0.0, ge=0)  # DanceGRPO trains without a KL term
+    timestep_fraction: float = knob(0.6, gt=0, le=1)  # DanceGRPO trains a random 60% of the steps per sample
     shared_noise: bool = True  # one initial noise per group
 
 

@@ -101,7 +101,8 @@ import torch
 
 from samplers import stream_rollout
 
-from ..config import AlgoConfig, _knob
+from ..config import AlgoConfig
+from ..knobs import knob
 from ..rollout import Rollout, SamplingModel
 from ..seeding import ALGO_STREAM, seeded_generator
 from .base import Algorithm, Batch, UpdateContext
@@ -710,23 +711,23 @@ class KVPOConfig(AlgoConfig):
     model: ``n = window − block − nearest_m`` older frames per branch). ``trainer.group_size`` = branches + 1: the
     last member of each group is the reference (unrouted) run."""
 
-    routed_blocks: int = _knob(2, ge=1)  # P consecutive routed blocks from the fork (fewer where a stream has no room)
-    nearest_m: int = _knob(1, ge=0)  # frames just before a routed block it keeps attending (official m minus the block)
+    routed_blocks: int = knob(2, ge=1)  # P consecutive routed blocks from the fork (fewer where a stream has no room)
+    nearest_m: int = knob(1, ge=0)  # frames just before a routed block it keeps attending (official m minus the block)
     outside_window: bool = True  # draw older frames only from outside the fork block's unrouted window
-    replay_blocks: int = _knob(0, ge=0)  # blocks replayed from the fork for the TVE score; 0 = the routed ones
-    grad_steps: int = _knob(2, ge=1)  # per replayed block, the first steps that carry the gradient (official 2)
-    sigma_floor: float = _knob(1.0, ge=0)  # TVE weights 1/(2·max(sigma, floor)^2): the official 1 weighs steps equally
-    clip_low: float = _knob(0.1, gt=0, le=0.99)  # ratio clipped to [1 - clip_low, 1 + clip_high]
-    clip_high: float = _knob(0.2, gt=0)  # the asymmetric upper clip
-    kl_beta: float = _knob(10.0, ge=0)  # weight of the discrete KL(pi_theta || pi_init) on the branch simplex
-    w_local: float = _knob(1.0, ge=0)  # weight of the fork segment's (local) advantage after std normalisation
-    w_global: float = _knob(0.5, ge=0)  # weight of the whole stream's (global) advantage after std normalisation
-    adv_clip: float = _knob(2.5, gt=0)  # fused advantages clamped to +-adv_clip
+    replay_blocks: int = knob(0, ge=0)  # blocks replayed from the fork for the TVE score; 0 = the routed ones
+    grad_steps: int = knob(2, ge=1)  # per replayed block, the first steps that carry the gradient (official 2)
+    sigma_floor: float = knob(1.0, ge=0)  # TVE weights 1/(2·max(sigma, floor)^2): the official 1 weighs steps equally
+    clip_low: float = knob(0.1, gt=0, le=0.99)  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = knob(0.2, gt=0)  # the asymmetric upper clip
+    kl_beta: float = knob(10.0, ge=0)  # weight of the discrete KL(pi_theta || pi_init) on the branch simplex
+    w_local: float = knob(1.0, ge=0)  # weight of the fork segment's (local) advantage after std normalisation
+    w_global: float = knob(0.5, ge=0)  # weight of the whole stream's (global) advantage after std normalisation
+    adv_clip: float = knob(2.5, gt=0)  # fused advantages clamped to +-adv_clip
     local_components: List[str] = field(default_factory=lambda: ["adherence", "direction", "speed"])  # the fork segment's: segment<s>/<name> of the reward
     global_components: List[str] = field(default_factory=lambda: [
         "adherence", "direction", "speed", "identity", "teleport", "smoothness", "recovery", "anti_freeze"])  # the whole stream's reward components
-    old_sync_every: int = _knob(2, ge=1)  # the rollout (old) policy takes the trained weights every n iterations
-    branch_batch: int = _knob(0, ge=0)  # branches streamed / replayed together (each holds a KV cache); 0 = all
+    old_sync_every: int = knob(2, ge=1)  # the rollout (old) policy takes the trained weights every n iterations
+    branch_batch: int = knob(0, ge=0)  # branches streamed / replayed together (each holds a KV cache); 0 = all
 
 
 class KVPO(Algorithm):

@@ -22,7 +22,7 @@ import torch
 
 from samplers import WINDOW_SCHEDULES, SDEWindow
 
-from ..config import _knob
+from ..knobs import knob
 from .grpo import GRPOConfig, trained_fraction
 from .policy_gradient import PolicyGradient
 from .schedule import rollout_schedule, select_trained
@@ -34,25 +34,25 @@ __all__ = ["WindowConfig", "MixGRPOConfig", "MixGRPO", "default_window_size"]
 class WindowConfig:
     """MixGRPO's sliding SDE window; mirrors ``samplers.SDEWindow``'s arguments."""
 
-    size: Optional[int] = _knob(None, ge=1)  # w: SDE (and trained) steps per rollout; null = 4 of 25 scaled to T
-    shift_interval: int = _knob(25, ge=1)  # tau: iterations between window moves
-    stride: int = _knob(1, ge=1)  # s: steps the window moves each time
-    schedule: str = _knob("progressive", choices=WINDOW_SCHEDULES)  # how the window moves
-    start: int = _knob(0, ge=0)  # first window position l
+    size: Optional[int] = knob(None, ge=1)  # w: SDE (and trained) steps per rollout; null = 4 of 25 scaled to T
+    shift_interval: int = knob(25, ge=1)  # tau: iterations between window moves
+    stride: int = knob(1, ge=1)  # s: steps the window moves each time
+    schedule: str = knob("progressive", choices=WINDOW_SCHEDULES)  # how the window moves
+    start: int = knob(0, ge=0)  # first window position l
     seed: int = 0  # RNG of the "random" schedule (saved with the window state)
-    decay_rate: float = _knob(0.1, ge=0)  # k of exp_decay / slope of linear_decay on tau
-    decay_threshold: int = _knob(0, ge=0)  # l_thr: window position where the interval starts decaying
-    min_interval: int = _knob(1, ge=1)  # floor of the decayed interval
+    decay_rate: float = knob(0.1, ge=0)  # k of exp_decay / slope of linear_decay on tau
+    decay_threshold: int = knob(0, ge=0)  # l_thr: window position where the interval starts decaying
+    min_interval: int = knob(1, ge=1)  # floor of the decayed interval
 
 
 @dataclass
 class MixGRPOConfig(GRPOConfig):
     """``algo=mix_grpo``: MixGRPO's defaults (no KL, shared noise, window of 4 in 25 steps)."""
 
-    kl_beta: float = _knob(0.0, ge=0)  # MixGRPO (after DanceGRPO) trains without a KL term
+    kl_beta: float = knob(0.0, ge=0)  # MixGRPO (after DanceGRPO) trains without a KL term
     shared_noise: bool = True  # one initial noise per group: the ODE prefix before the window is computed once
     window: WindowConfig = field(default_factory=WindowConfig)  # the sliding SDE window
-    compress_ratio: float = _knob(1.0, gt=0, le=1)  # MixGRPO-Flash: keep this fraction of the steps after the window
+    compress_ratio: float = knob(1.0, gt=0, le=1)  # MixGRPO-Flash: keep this fraction of the steps after the window
 
 
 def default_window_size(num_steps: int) -> int:

@@ -20,7 +20,8 @@ import torch
 from samplers import sde_kl, sde_step
 
 from ..advantages import slas_advantages
-from ..config import AlgoConfig, _knob
+from ..config import AlgoConfig
+from ..knobs import knob
 from .base import Algorithm, Batch, RolloutPlan, UpdateContext
 from .losses import REDUCTIONS, ppo_clip_loss, reduce_log_prob
 
@@ -31,11 +32,11 @@ __all__ = ["PolicyGradientConfig", "PolicyGradient"]
 class PolicyGradientConfig(AlgoConfig):
     """What every PPO-clip algorithm has."""
 
-    clip_range: float = _knob(1e-4, gt=0)  # PPO epsilon on the per-step ratio (its scale follows logprob_reduction)
-    logprob_reduction: str = _knob("mean", choices=REDUCTIONS)  # sum: exact density; mean: per latent element
+    clip_range: float = knob(1e-4, gt=0)  # PPO epsilon on the per-step ratio (its scale follows logprob_reduction)
+    logprob_reduction: str = knob("mean", choices=REDUCTIONS)  # sum: exact density; mean: per latent element
     # SLAS (arXiv 2605.10937): advantages sign(u)|u|^(1+gamma), u = (r - group mean)/batch std, rescaled to unit
     # RMS; replaces the std normalisation (global_std unused). null = off
-    slas_gamma: Optional[float] = _knob(None, ge=0)
+    slas_gamma: Optional[float] = knob(None, ge=0)
 
 
 class PolicyGradient(Algorithm):

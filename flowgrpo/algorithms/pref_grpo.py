@@ -28,7 +28,7 @@ from typing import List
 
 import torch
 
-from ..config import _knob
+from ..knobs import knob
 from .base import Batch
 from .grpo import GRPO
 from .grpo_guard import GRPOGuard, GRPOGuardConfig
@@ -41,13 +41,13 @@ __all__ = ["PrefGRPOConfig", "PrefGRPO", "win_rates", "verdict_preferences", "pr
 class PrefGRPOConfig(GRPOGuardConfig):
     """``algo=pref_grpo``: the authors' defaults (DanceGRPO's update with the normalised ratio)."""
 
-    kl_beta: float = _knob(0.0, ge=0)  # the authors train without a KL term
-    timestep_fraction: float = _knob(0.6, gt=0, le=1)  # a random 60% of the SDE steps per sample
+    kl_beta: float = knob(0.0, ge=0)  # the authors train without a KL term
+    timestep_fraction: float = knob(0.6, gt=0, le=1)  # a random 60% of the SDE steps per sample
     shared_noise: bool = True  # one initial noise per group (the authors' init_same_noise)
     ratio_norm: bool = True  # GRPO-Guard's normalised ratio and step weight; false: the plain PPO ratio
     # reward components the judge compares, in order (the first that differs decides); [] = the training reward
     judge: List[str] = field(default_factory=list)
-    tie_margin: float = _knob(0.0, ge=0)  # differences up to this count as a tie
+    tie_margin: float = knob(0.0, ge=0)  # differences up to this count as a tie
 
 
 def verdict_preferences(scores: torch.Tensor, margin: float = 0.0) -> torch.Tensor:

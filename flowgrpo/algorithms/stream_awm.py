@@ -53,7 +53,8 @@ from typing import Any, List, Optional
 import torch
 
 from ..advantages import group_advantages
-from ..config import AlgoConfig, _knob
+from ..config import AlgoConfig
+from ..knobs import knob
 from .awm import WEIGHTINGS, EMATrustRegion, awm_objective, scaled_advantages
 from .base import Algorithm, Batch, UpdateContext
 from .losses import keyed_noise, renoise
@@ -70,19 +71,19 @@ class StreamAWMConfig(AlgoConfig):
 
     global_std: bool = True  # stream advantages: (r - mean_prompt) / std over the whole batch, as AWM
     cfg_in_training: bool = False  # must stay false: the teacher-forced update fits the conditional velocity
-    kl_beta: float = _knob(0.001, ge=0)  # weight of mean (v_theta - v_ref)^2, the reference = LoRA disabled
-    ema_kl_beta: float = _knob(1.0, ge=0)  # weight of mean (v_theta - v_ema)^2 (the trust region)
-    ema_kl_decay: float = _knob(0.3, ge=0, le=0.999)  # cap of the EMA decay d = min(cap, 0.001 u)
-    weighting: str = _knob("ghuber", choices=WEIGHTINGS)  # w(l, sigma) in the policy term, per block
-    ghuber_power: float = _knob(0.25, gt=0)  # p of the ghuber weighting
-    advantage_max: float = _knob(1.0, gt=0)  # clipped advantages scaled to [-advantage_max, advantage_max]
+    kl_beta: float = knob(0.001, ge=0)  # weight of mean (v_theta - v_ref)^2, the reference = LoRA disabled
+    ema_kl_beta: float = knob(1.0, ge=0)  # weight of mean (v_theta - v_ema)^2 (the trust region)
+    ema_kl_decay: float = knob(0.3, ge=0, le=0.999)  # cap of the EMA decay d = min(cap, 0.001 u)
+    weighting: str = knob("ghuber", choices=WEIGHTINGS)  # w(l, sigma) in the policy term, per block
+    ghuber_power: float = knob(0.25, gt=0)  # p of the ghuber weighting
+    advantage_max: float = knob(1.0, gt=0)  # clipped advantages scaled to [-advantage_max, advantage_max]
     # stream: every block the stream's; segment: its segment's; stream+segment: the sum of the two
-    advantage: str = _knob("stream", choices=ADVANTAGES)
+    advantage: str = knob("stream", choices=ADVANTAGES)
     # advantage=segment / stream+segment: a segment's reward is the mean of these segment<k>/<name> components
     segment_components: List[str] = field(default_factory=lambda: ["adherence", "direction", "speed"])
     logit_mean: float = 0.0  # noise levels: u = sigmoid(N(logit_mean, logit_std^2)), as the pretraining draws them
-    logit_std: float = _knob(1.0, gt=0)  # std of that normal
-    shift: Optional[float] = _knob(None, gt=0)  # sigma = s·u/(1+(s-1)·u); null = the model's model.stream.shift
+    logit_std: float = knob(1.0, gt=0)  # std of that normal
+    shift: Optional[float] = knob(None, gt=0)  # sigma = s·u/(1+(s-1)·u); null = the model's model.stream.shift
     # true: the G streams of a group are re-noised with the same levels and noise (common random numbers: the part
     # of the loss's gradient that depends only on the draw is the same for every member and cancels against the
     # group's zero-mean advantages); false: every stream draws its own

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import _knob
+from ..knobs import knob
 from .policy_gradient import PolicyGradient, PolicyGradientConfig
 from .schedule import select_trained, trained_step_count
 
@@ -32,8 +32,8 @@ __all__ = ["StreamGRPOConfig", "StreamGRPO"]
 class StreamGRPOConfig(PolicyGradientConfig):
     """``algo=stream_grpo``."""
 
-    timestep_fraction: float = _knob(0.1, gt=0, le=1)  # share of a stream's K·(S-1) re-noise transitions trained
-    kl_beta: float = _knob(0.0, ge=0)  # weight of the closed-form Gaussian KL to the reference (LoRA disabled)
+    timestep_fraction: float = knob(0.1, gt=0, le=1)  # share of a stream's K·(S-1) re-noise transitions trained
+    kl_beta: float = knob(0.0, ge=0)  # weight of the closed-form Gaussian KL to the reference (LoRA disabled)
 
 
 class StreamGRPO(PolicyGradient):
