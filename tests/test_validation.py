@@ -102,7 +102,7 @@ def test_an_unwritable_output_dir_fails_at_set_up_naming_it(tmp_path, no_model):
 
 def test_too_little_free_space_for_a_checkpoint_fails_naming_the_dir(tmp_path, monkeypatch):
     import collections
-    import flowgrpo.build as build
+    import flowgrpo.build.checks as build
 
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(build.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 2**20, 2**20))

@@ -35,6 +35,7 @@ from typing import Any, Mapping
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ..paths import looks_local, resolve_path  # the config layer's rule: absolute, else cwd, else repo root
 from .load import check_tokenizers, parse_dtype, set_vae_dtype
 from .stream_pipeline import STREAM_CONFIG_NAME, StreamConfig, StreamingWanPipeline
 
@@ -71,8 +72,6 @@ def stream_config_of(model: DictConfig | Mapping[str, Any]) -> StreamConfig:
 
 
 def _local_file(path: str, key: str, what: str) -> str:
-    from ..build import resolve_path  # the config layer's rule: absolute, else under the cwd, else the repo root
-
     found = resolve_path(path)
     if found is None or not found.is_file():
         raise FileNotFoundError(f"{key}={path!r}: no such file (relative paths are looked up under the working "
@@ -82,12 +81,10 @@ def _local_file(path: str, key: str, what: str) -> str:
 
 def _base(pretrained: str) -> tuple[str, bool]:
     """``(path or hub id, is a local directory)`` of ``model.pretrained``."""
-    from ..build import _looks_local, resolve_path
-
     found = resolve_path(pretrained)
     if found is not None:
         return str(found), found.is_dir()
-    if _looks_local(pretrained):
+    if looks_local(pretrained):
         raise FileNotFoundError(
             f"model.pretrained={pretrained!r}: no such directory (relative paths are looked up under the working "
             f"directory, then the repository root). Set model.pretrained to the diffusers Wan2.1-T2V-1.3B pipeline "
