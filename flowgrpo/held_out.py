@@ -1,0 +1,111 @@
+"""The trainer's held-out evaluation: :mod:`flowgrpo.evaluation`'s protocol (fixed seeds, a deterministic ODE, the
+EMA weights when enabled) over the trainer's processes, reward and held-out prompts.
+
+:class:`HeldOut` is a mixin of :class:`~flowgrpo.trainer.Trainer`: :meth:`HeldOut.evaluate` is what the loop records
+(``trainer.eval_*``); :meth:`HeldOut.held_out_samples` gives the per-sample scores behind its means and
+:meth:`HeldOut.held_out_key` what they depend on besides the weights (``scripts/`` compare runs with them).
+
+What the mixin reads from its trainer: ``cfg``, ``acc``, ``device``, ``rank``, ``world``, ``adapter``, ``reward``,
+``test_set``, ``sampler``, ``batch``, ``model_kw``, ``ema``, ``gallery``, ``iteration``, ``_check_stop``,
+``_gallery_log``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import nullcontext
+
+import torch
+from omegaconf import OmegaConf
+
+from .evaluation import EvalSamples, held_out_jobs, score_jobs
+
+__all__ = ["HeldOut"]
+
+
+class HeldOut:
+    """Held-out evaluation of a :class:`~flowgrpo.trainer.Trainer` (a mixin: see the module's docstring for what it
+    reads)."""
+
+    @torch.no_grad()
+    def evaluate(self, tag: str = "eval") -> dict[str, float]:
+        """Held-out evaluation with :mod:`flowgrpo.evaluation`'s protocol (``scripts/eval_geneval.py`` runs the same):
+        a deterministic ODE (``sampler.eval_num_steps``) with CFG from fixed seeds (``trainer.eval_samples_per_prompt``
+        per prompt, raised to at least ``trainer.eval_samples_per_tag`` per tag; sample j of prompt i seeded by
+        ``(trainer.eval_seed, i, j)``, so runs with different ``trainer.seed`` are judged on the same images), with EMA
+        weights when enabled. The (prompt, seed) jobs are dealt round-robin over processes and the scores gathered
+        back into job order, so any number of processes scores the same samples as one.
+
+        Returns the mean over samples of the reward and of each component (``{tag}/reward``, ``{tag}/<component>``)
+        and, for a GenEval reward (bare or inside ``reward=multi``), GenEval's overall score: the mean over tags of
+        the per-tag means (``{tag}/[prefix/]geneval``, ``{tag}/[prefix/]geneval_partial``), so tags weigh equally
+        whatever their prompt counts.
+        """
+        if self.test_set is None:
+            return {}
+        jobs = self.eval_jobs()
+        first = []
+
+        def keep_first(start, prompts, images, out):  # the gallery shows the main process's first batch
+            if start == 0:
+                first.append((prompts, images, out))
+
+        # inside the loop a stop request abandons the evaluation between its batches (Trainer._Abandon)
+        result = self.held_out_samples(jobs, on_batch=keep_first,
+                                       between_batches=lambda: self._check_stop("evaluation")).scalars(tag)
+        if self.gallery is not None and first:
+            prompts, images, out = first[0]
+            self._gallery_log(self.iteration, prompts, images, rewards=out.scores, components=out.components, tag=tag)
+        return result
+
+    def eval_jobs(self) -> list:
+        """The held-out ``(prompt, sample)`` jobs :meth:`evaluate` scores (``trainer.eval_*``)."""
+        t = self.cfg.trainer
+        return held_out_jobs(self.test_set, t.eval_samples_per_prompt, t.eval_samples_per_tag,
+                             num_prompts=t.eval_num_prompts)
+
+    def held_out_key(self, jobs: list) -> str:
+        """A hash of what :meth:`held_out_samples` reads besides the weights: the model, reward and held-out data,
+        the jobs and their seed, the evaluation schedule, the rollout batch and the precision. Two trainers with
+        equal keys and equal weights (e.g. both untrained, whatever their algorithm or ``trainer.seed``) score the
+        same samples, so a tool comparing runs can score an untrained model once."""
+        import hashlib
+
+        def plain(node):
+            return OmegaConf.to_container(node, resolve=True)
+
+        what = {"model": plain(self.cfg.model), "reward": plain(self.cfg.reward), "data": plain(self.cfg.data),
+                "jobs": [list(j) for j in jobs], "eval_seed": self.cfg.trainer.eval_seed,
+                "sigmas": self.sampler.eval_sigmas.tolist(), "batch": self.batch.rollout_batch_per_process,
+                "mixed_precision": self.cfg.trainer.mixed_precision}
+        if getattr(self.reward, "version", None) is not None:  # the same config under other rules scores otherwise
+            what["reward_version"] = self.reward.version
+        return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def held_out_samples(self, jobs: list, on_batch=None, between_batches=None) -> EvalSamples:
+        """Every held-out ``(prompt, sample)`` job of ``jobs`` generated and scored as :meth:`evaluate` does (its
+        seeds, sampler, EMA weights when enabled), dealt over the processes and gathered back in job order: the
+        per-sample scores behind its means. ``on_batch`` sees this process's batches, ``between_batches`` is called
+        before each of them after the first (``score_jobs``; every process runs as many batches)."""
+        t = self.cfg.trainer
+        # every process runs the same number of jobs (a gather needs equal shapes): padding repeats the last job and
+        # is dropped after the gather
+        per_proc = math.ceil(len(jobs) / self.world)
+        mine = list(range(self.rank, per_proc * self.world, self.world))
+        with self.ema.swapped_in() if self.ema is not None else nullcontext():
+            local = score_jobs(self.adapter, self.reward, self.test_set, [jobs[min(k, len(jobs) - 1)] for k in mine],
+                               seed=t.eval_seed, sigmas=self.sampler.eval_sigmas, model_kw=self.model_kw,
+                               batch_size=self.batch.rollout_batch_per_process, autocast=self.acc.autocast,
+                               on_batch=on_batch, between_batches=between_batches)
+        index = self.acc.gather(torch.tensor([k if k < len(jobs) else -1 for k in mine], device=self.device))
+        valid = index >= 0
+        position = torch.empty(len(jobs), dtype=torch.long, device=self.device)  # gathered row of each job
+        position[index[valid]] = valid.nonzero().flatten()
+
+        def gathered(v: torch.Tensor) -> torch.Tensor:
+            return self.acc.gather(v.to(self.device).contiguous())[position]
+
+        return EvalSamples(jobs=jobs, prompts=self.test_set.subset([i for i, _ in jobs]),
+                           scores=gathered(local.scores),
+                           components={k: gathered(v) for k, v in local.components.items()})
