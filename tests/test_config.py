@@ -23,7 +23,7 @@ import rewards
 from flowgrpo.algorithms import ALGORITHMS, build_algorithm
 from flowgrpo.build import (REPO_ROOT, Sampler, batch_plan, build_adapter, build_logger, build_prompts, build_reward,
                             build_sampler, model_kwargs)
-from flowgrpo.config import GROUP_SCHEMAS, ConfigError, algo_schema, validate
+from flowgrpo.config import GROUP_SCHEMAS, ConfigError, algo_schema, steps_line, validate
 
 CONF = REPO_ROOT / "conf"
 GROUPS = list(GROUP_SCHEMAS)  # model sampler algo reward data logger trainer
@@ -176,13 +176,13 @@ def test_option_files_state_only_what_differs_from_their_schema(group, option):
 
     data = yaml.safe_load((CONF / group / f"{option}.yaml").read_text()) or {}
     schema = algo_schema(data["name"]) if group == "algo" else GROUP_SCHEMAS[group]
-    ref = OmegaConf.structured(schema)
+    ref = OmegaConf.to_container(OmegaConf.structured(schema), resolve=False)  # "${model.num_steps}" as written
 
     def restated(node, ref, prefix=""):
         for key, value in node.items():
-            if key in ("defaults", "name") or key not in ref or OmegaConf.is_missing(ref, key):
+            if key in ("defaults", "name") or key not in ref or ref[key] == "???":
                 continue
-            if isinstance(value, dict) and OmegaConf.is_dict(ref[key]):
+            if isinstance(value, dict) and isinstance(ref[key], dict):
                 yield from restated(value, ref[key], f"{prefix}{key}.")
             elif ref[key] == value:
                 yield f"{prefix}{key}"
@@ -536,14 +536,60 @@ def test_tag_balanced_prompt_pools():
 def test_the_default_is_the_embedded_world_and_models_bring_their_own_defaults(hydra_compose):
     cfg = validate(hydra_compose())
     assert (cfg.model.pretrained, cfg.reward.name, cfg.data.name) == ("assets/tiny-sd3-shapes", "geneval", "geneval_shapes")
-    # conf/model_defaults/sd3_shapes.yaml: the CPU grid, whatever the sampler ...
+    # a sampler option that states no steps runs the model's grid (the embedded model: 10 and 10) ...
     assert (cfg.sampler.num_steps, cfg.sampler.eval_num_steps) == (10, 10)
-    assert hydra_compose(["sampler=dance", "algo=grpo"]).sampler.num_steps == 10
-    # ... and the command line and presets still win; other models keep the papers' settings
+    assert (cfg.model.num_steps, cfg.model.eval_num_steps) == (10, 10)
+    assert OmegaConf.to_container(cfg.sampler)["num_steps"] == "${model.num_steps}"  # shown as such by --cfg job
+    assert steps_line(cfg).count("the model's grid") == 2
+    real = hydra_compose(["model=sd35_medium"]).sampler
+    assert (real.num_steps, real.eval_num_steps) == (10, 40)
+    assert hydra_compose(["model=causal_wan_shapes_4step"]).sampler.num_steps == 4  # a streaming model's block steps
+    # ... and the command line and presets still win
     assert hydra_compose(["sampler.num_steps=25"]).sampler.num_steps == 25
+    assert "stated" in steps_line(hydra_compose(["sampler.num_steps=25"]))
+    assert hydra_compose(["model.num_steps=12"]).sampler.num_steps == 12
     assert hydra_compose(["experiment=mix_grpo_shapes", "debug=default"]).sampler.num_steps == 4
     real = hydra_compose(["model=sd35_medium", "sampler=mix_sde"])
     assert real.sampler.num_steps == 25 and _trained(real) == 4
+
+
+@pytest.mark.parametrize("model", ["sd3_shapes", "wan_shapes", "tiny_sd3", "sd35_medium"])
+def test_a_sampler_option_runs_the_steps_its_file_states_on_every_model(hydra_compose, model):
+    """``sampler=dance`` is 16 steps and ``sampler=mix_sde`` 25 on the embedded models too: nothing applied after
+    the group choices rewrites them (the embedded world's recipes state their 10-step grid in their own files)."""
+    for option in options("sampler"):
+        stated = OmegaConf.load(CONF / "sampler" / f"{option}.yaml")
+        cfg = hydra_compose([f"model={model}", f"sampler={option}"])
+        for key in ("num_steps", "eval_num_steps"):
+            if option == "stream":
+                continue  # a streaming model's sampler (refused on this model: test_every_model_sampler_algorithm...)
+            expected = stated[key] if key in stated else cfg.model[key]
+            assert cfg.sampler[key] == expected, (option, key)
+    assert hydra_compose([f"model={model}", "algo=dance_grpo"]).sampler.num_steps == 16  # its sampler=dance, as stated
+
+
+def test_model_defaults_set_no_key_that_a_group_option_sets():
+    """``conf/model_defaults/<model>.yaml`` is applied after the group choices: a key it shared with a group option
+    would rewrite that option's value behind the user's back (it once set ``sampler.num_steps`` over
+    ``sampler=dance``)."""
+    def leaves(node, prefix=""):
+        for k, v in node.items():
+            if k == "defaults":
+                continue
+            if isinstance(v, dict):
+                yield from leaves(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}"
+
+    set_by_options = {f"{group}.{key}" for group in GROUPS for option in options(group)
+                      for key in leaves(OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml")))}
+    set_by_options |= {f"sampler.{key}" for key in leaves(OmegaConf.to_container(OmegaConf.structured(
+        GROUP_SCHEMAS["sampler"])))}  # and every sampler key, so that a later option cannot clash either
+    files = sorted((CONF / "model_defaults").glob("*.yaml"))
+    for path in files:
+        assert path.stem in options("model"), path
+        keys = set(leaves(OmegaConf.to_container(OmegaConf.load(path))))
+        assert keys and not keys & set_by_options, (path.name, sorted(keys & set_by_options))
 
 
 def test_an_explicit_choice_is_never_rewritten(hydra_compose):
