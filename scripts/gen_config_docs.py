@@ -297,7 +297,8 @@ def render() -> str:
         lines.append("")
     lines += ["## Presets {#presets}", "",
               "`experiment=NAME` applies a named recipe after the groups; `debug=NAME` applies a debugging preset "
-              "last; `model_defaults/<model>.yaml` is applied automatically with its model, before both; "
+              "last; `model_defaults/<model>.yaml` is applied automatically with its model, before both (trainer defaults "
+              "only: keys no group option sets, so it never overrides a choice); "
               "`experiment_algo/<experiment>/<algo>.yaml` holds a recipe's knobs for one algorithm on its world and is "
               "applied only while that algorithm is chosen (`experiment=E algo=X` runs X at its defaults unless such a "
               "file exists). The command "

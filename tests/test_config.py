@@ -610,9 +610,9 @@ def test_an_explicit_choice_is_never_rewritten(hydra_compose):
 @pytest.mark.parametrize("option", sorted(ALGORITHMS))
 def test_a_recipe_runs_every_algorithm_at_that_algorithms_defaults(hydra_compose, option):
     """``experiment=video_shapes algo=X``: the recipe's world (model, reward, data, budget) with X at its own
-    defaults, but for the knobs measured on this world for Flow-GRPO (conf/experiment_algo/video_shapes/grpo.yaml),
-    which apply only to ``algo=grpo``, and for AWM's, the recipe's own algorithm (its batch of 8 prompts and no KL
-    to the base, conf/experiment_algo/video_shapes/awm.yaml)."""
+    defaults, but for the knobs measured on this world for Flow-GRPO (conf/experiment_algo/video_shapes/grpo.yaml: its
+    3 noisiest steps on 4 prompts), which apply only to ``algo=grpo``, and for AWM's, the recipe's own algorithm (no
+    KL to the base, conf/experiment_algo/video_shapes/awm.yaml)."""
     world = ["experiment=video_shapes", f"algo={option}"]
     if ALGORITHMS[option].streaming:  # a streaming algorithm needs a streaming model: a clear error, not a key error
         with pytest.raises(ConfigError, match="streaming"):
@@ -621,7 +621,7 @@ def test_a_recipe_runs_every_algorithm_at_that_algorithms_defaults(hydra_compose
     cfg = hydra_compose(world + (["+algo.teachers.t=conf"] if option == "flow_opd" else []))
     validate(cfg)
     assert (cfg.model.pretrained, cfg.reward.name, cfg.trainer.prompts_per_iteration) == (
-        "assets/tiny-wan-shapes", "video_geneval", 8 if option == "awm" else 4)
+        "assets/tiny-wan-shapes", "video_geneval", 4 if option == "grpo" else 8)
     own = hydra_compose(["experiment=video_shapes"]).algo
     assert OmegaConf.to_container(own) == {**OmegaConf.to_container(hydra_compose(["algo=awm"]).algo), "kl_beta": 0.0}
     if option == "awm":
@@ -635,6 +635,41 @@ def test_a_recipe_runs_every_algorithm_at_that_algorithms_defaults(hydra_compose
     assert hydra_compose(["experiment=video_shapes", "algo=grpo", "algo.timestep_fraction=0.5"]).algo.timestep_fraction == 0.5
     mine = hydra_compose(["experiment=video_shapes", "trainer.prompts_per_iteration=4", "algo.kl_beta=0.001"])
     assert (mine.trainer.prompts_per_iteration, mine.algo.kl_beta) == (4, 0.001)
+
+
+def _stated(node, prefix=""):
+    """``{dotted key: value}`` of what a config file writes (its defaults list aside)."""
+    out = {}
+    for key, value in node.items():
+        if key == "defaults":
+            continue
+        if isinstance(value, dict):
+            out.update(_stated(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+PRESET_FILES = ([("experiment", e, [f"experiment={e}"]) for e in options("experiment")]
+                + [("debug", d, [f"debug={d}"]) for d in options("debug")]
+                + [("experiment_algo", f"{p.parent.name}/{p.stem}", [f"experiment={p.parent.name}", f"algo={p.stem}"])
+                   for p in sorted((CONF / "experiment_algo").glob("*/*.yaml"))])
+
+
+@pytest.mark.parametrize("group,name,overrides", PRESET_FILES, ids=[f"{g}={n}" for g, n, _ in PRESET_FILES])
+def test_a_preset_file_shows_the_values_its_run_uses(hydra_compose, group, name, overrides):
+    """Every value a preset file writes is the value of the run it names (``python train.py experiment=E``, or
+    ``experiment=E algo=A`` for ``experiment_algo/E/A.yaml``): nothing applied later replaces it unseen (the video
+    recipe once showed 4 prompts per iteration while its own algorithm's file ran 8)."""
+    stated = _stated(OmegaConf.to_container(OmegaConf.load(CONF / group / f"{name}.yaml")))
+    cfg = hydra_compose(overrides)
+    assert stated
+    for key, value in stated.items():
+        if value == "???" or isinstance(value, str) and value.startswith("${"):
+            continue  # left for the user / an interpolation, resolved in the run
+        got = OmegaConf.select(cfg, key)
+        got = OmegaConf.to_container(got) if OmegaConf.is_config(got) else got
+        assert got == value, f"conf/{group}/{name}.yaml writes {key}={value!r}, but its run uses {got!r}"
 
 
 def test_help_lists_the_recipes_and_no_hidden_groups(tmp_path):
