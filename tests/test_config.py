@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -125,6 +126,57 @@ def test_every_option_composes_and_validates(hydra_compose, group, option):
         expected = algo_schema(cfg.algo.name) if g == "algo" else schema
         assert OmegaConf.get_type(cfg[g]) is expected, g
     assert set(OmegaConf.missing_keys(cfg)) == EXPECTED_MISSING.get((group, option), set())
+
+
+KEY = re.compile(r"\b(?:model|sampler|algo|reward|data|logger|trainer)(?:\.[a-z_0-9.]+|=)")
+
+
+def test_every_model_sampler_algorithm_is_valid_or_refused_naming_the_key(hydra_compose):
+    """Every ``model=M sampler=S algo=A`` of the option files either validates or is refused by
+    :func:`~flowgrpo.config.validate` with a :class:`ConfigError` each of whose reasons names a key to change
+    (``sampler.noise_level=...``, ``algo=...``): never a KeyError, an interpolation error or a silent pass that a
+    run would trip over later. Composition and validation only (each option composed once, the triples assembled
+    from them; a sample of triples is checked against Hydra's own composition)."""
+    import itertools
+
+    def node(option_group, option):
+        extra = PARTNERS.get(("algo", option), []) if option_group == "algo" and option == "flow_opd" else []
+        return hydra_compose([f"{option_group}={option}", *extra])[option_group]
+
+    nodes = {g: {o: node(g, o) for o in options(g)} for g in ("model", "sampler", "algo")}
+
+    def assembled(m, s, a):  # the other groups are the defaults, validated whole by the sample below
+        return OmegaConf.create({"model": nodes["model"][m], "sampler": nodes["sampler"][s], "algo": nodes["algo"][a]})
+
+    def verdict(cfg):
+        try:
+            validate(cfg)
+            return "valid"
+        except ConfigError as err:
+            reasons = str(err).splitlines()[1:]
+            assert reasons and all(KEY.search(r) for r in reasons), f"a reason names no key: {reasons}"
+            return "\n".join(reasons)
+
+    triples = list(itertools.product(*(options(g) for g in ("model", "sampler", "algo"))))
+    verdicts = {t: verdict(assembled(*t)) for t in triples}
+    # the assembly is the composition: a triple per option of each group, composed by Hydra
+    for i in range(max(len(options(g)) for g in ("model", "sampler", "algo"))):
+        m, s, a = (options(g)[i % len(options(g))] for g in ("model", "sampler", "algo"))
+        composed = hydra_compose([f"model={m}", f"sampler={s}", f"algo={a}",
+                                  *(PARTNERS[("algo", a)] if a == "flow_opd" else [])])
+        assert verdict(composed) == verdicts[(m, s, a)], (m, s, a)
+    # what the pairing rules say, spelled out for the cases that must hold whatever else changes
+    for (m, s, a), v in verdicts.items():
+        streaming_model, streaming_algo = m in STREAM_MODELS, ALGORITHMS[a].streaming
+        if streaming_model != streaming_algo:
+            assert v != "valid" and ("streaming" in v), (m, s, a, v)
+        if s == "stream" and not streaming_model:
+            assert "sampler=stream is a streaming model's" in v, (m, s, a, v)
+        if streaming_model and streaming_algo and s != "stream":
+            assert v != "valid" and "sampler." in v, (m, s, a, v)
+    assert verdicts[("causal_wan_shapes", "stream", "stream_grpo")] == "valid"
+    assert verdicts[("sd3_shapes", "dance", "grpo")] == "valid"
+    assert "sampler.noise_level=0.7" in verdicts[("causal_wan_shapes", "cps", "stream_grpo")]
 
 
 def test_presets_override_the_groups(hydra_compose):
@@ -321,13 +373,18 @@ def test_every_sampler_instantiates_and_drives_a_rollout(hydra_compose, name):
     """Every sampler with the default algorithm: schedules, and the algorithm's plan rolled out with its kernel."""
     from samplers import rollout
 
-    cfg = validate(hydra_compose([f"sampler={name}"]))
+    if name == "stream":  # a streaming model's own sampler: refused on the default image model, naming the keys
+        with pytest.raises(ConfigError, match=r"sampler=stream is a streaming model's .*model\.family='sd3'"):
+            validate(hydra_compose([f"sampler={name}"]))
+    cfg = validate(hydra_compose([f"sampler={name}", *PARTNERS.get(("sampler", name), [])]))
     sampler = build_sampler(cfg.sampler)
     assert isinstance(sampler, Sampler)
     T = cfg.sampler.num_steps
     assert sampler.sigmas.shape == (T + 1,) and sampler.eval_sigmas.shape == (cfg.sampler.eval_num_steps + 1,)
     assert sampler.sigmas[0] == 1 and sampler.sigmas[-1] == 0 and (sampler.sigmas.diff() < 0).all()
     assert (sampler.kernel, sampler.solver) == (cfg.sampler.kernel, cfg.sampler.solver)
+    if name == "stream":  # its block-by-block rollout: tests/test_stream_training.py
+        return
     plan = build_algorithm(cfg.algo, cfg.sampler, sampler.sigmas).plan(1, 2)
     noise = torch.randn(2, 1, 4, 4, generator=torch.Generator().manual_seed(0))
     traj = rollout(lambda x, s: noise - 0.0 * x, noise, plan.sigmas, plan.sde_mask, kernel=plan.kernel,
@@ -480,6 +537,20 @@ def test_train_py_rejects_a_bad_override_naming_the_key(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "train.py"), "trainer.group_size=abc", "--cfg", "job"],
                           cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "trainer.group_size" in proc.stderr + proc.stdout
+
+
+def test_cfg_job_checks_what_it_prints(tmp_path):
+    """``--cfg job`` prints the config without running: it must not print a refused config as if it were valid."""
+    def cfg_job(*overrides):
+        return subprocess.run([sys.executable, str(REPO_ROOT / "train.py"), "--cfg", "job", *overrides], cwd=tmp_path,
+                              env=_env(), capture_output=True, text=True, timeout=120)
+
+    refused = cfg_job("algo=stream_grpo", "model=causal_wan_shapes", "sampler=cps")
+    assert refused.returncode == 1 and "algo:" in refused.stdout  # the config, then the verdict
+    assert "REFUSED" in refused.stderr and "sampler.noise_level=0.7" in refused.stderr
+    valid = cfg_job("algo=grpo")
+    assert valid.returncode == 0 and "# valid" in valid.stderr and "name: grpo" in valid.stdout
+    assert not list(tmp_path.iterdir())  # nothing run, no run dir
 
 
 def test_train_py_end_to_end_on_the_tiny_twin(tmp_path, monkeypatch, capsys):
