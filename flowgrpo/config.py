@@ -23,6 +23,7 @@ import dataclasses
 import sys
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -658,6 +659,33 @@ def _schema_of(node: DictConfig, errors: list[str]) -> type | None:
     return GROUP_SCHEMAS.get(key) if isinstance(key, str) else None
 
 
+# ------------------------------------------------------------------------------------------------ --help
+
+#: the groups a user chooses from on the command line, in --help's order (the others under conf/ are applied for
+#: them: model_defaults/<model>.yaml with its model, experiment_algo/<experiment>/<algo>.yaml with its pair)
+CHOOSABLE_GROUPS = (*GROUP_SCHEMAS, "experiment", "debug")
+_CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def help_groups(conf: str | Path | None = None, width: int = 116) -> str:
+    """``python train.py --help``'s list of groups: each group's options (its ``conf/<group>/*.yaml``, the typed
+    ``base_*`` schemas left out) and, in brackets, the option the command composes (the default, or what the command
+    line chose)."""
+    import textwrap
+
+    from hydra.core.hydra_config import HydraConfig
+
+    chosen = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    lines = []
+    for group in CHOOSABLE_GROUPS:
+        names = sorted(p.stem for p in (Path(conf or _CONF) / group).glob("*.yaml") if not p.stem.startswith("base_"))
+        head = f"  {group} [{chosen.get(group) or 'none'}]: "
+        lines.append(textwrap.fill(", ".join(names), width, initial_indent=head,
+                                   subsequent_indent=" " * len(head), break_on_hyphens=False))
+    return "\n".join(lines)
+
+
+OmegaConf.register_new_resolver("flowgrpo.help_groups", lambda: help_groups(), replace=True)
 register_configs()
 # Every algorithm module stores its own schema when its class is defined (Algorithm.__init_subclass__); importing
 # the package here makes `import flowgrpo.config` enough for Hydra to compose any algo option.
