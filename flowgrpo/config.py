@@ -287,7 +287,7 @@ class TrainerConfig:
     ema: EMAConfig = field(default_factory=EMAConfig)  # EMA of trainable weights
     mixed_precision: str = _knob("no", choices=("no", "fp16", "bf16"))  # accelerate autocast for the trained forward
     allow_tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
-    seed: int = 0  # seeds prompts, noise and SDE draws (per process offset by rank)
+    seed: int = 0  # seeds prompts, noise and SDE draws, each keyed by (seed, iteration, global row): the same on any number of processes
     eval_every: int = _knob(25, ge=0)  # iterations between held-out evaluations; 0 = only eval_before / eval_at_end
     eval_before: bool = True  # evaluate the pretrained model first (the baseline)
     eval_at_end: bool = True  # evaluate the final weights when the run completes (false: only what eval_every asks)
