@@ -203,9 +203,13 @@ def test_config_files_start_with_their_command_and_comment_every_knob():
             f"{path.relative_to(REPO_ROOT)} must open with the command that uses it"
         if path.parent.name == "accelerate":
             continue  # plain accelerate files, not Hydra nodes
-        in_defaults = False
+        in_defaults, block = False, None  # block: the indent of a key whose value is a block scalar (| or >)
         for n, line in enumerate(lines, 1):
             stripped = line.strip()
+            indent = len(line) - len(line.lstrip())
+            if block is not None and (not stripped or indent > block):
+                continue  # the text of a block scalar (the --help template), not knobs
+            block = None
             if not stripped or stripped.startswith("#"):
                 continue
             if line.startswith("defaults:"):
@@ -218,6 +222,8 @@ def test_config_files_start_with_their_command_and_comment_every_knob():
             if stripped.startswith("- ") or not sep or not value.split("#")[0].strip():
                 continue  # list items and parent keys
             assert "#" in value, f"{path.relative_to(REPO_ROOT)}:{n}: knob {key!r} has no why-comment"
+            if value.split("#")[0].strip() in ("|", "|-", "|+", ">", ">-", ">+"):
+                block = indent
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)],
