@@ -515,7 +515,8 @@ def test_batch_plan_arithmetic_and_banner(hydra_compose):
     assert _trained(hydra_compose(["experiment=flow_grpo_shapes"])) == 3  # the tuned recipe: the 3 noisiest
     assert _trained(hydra_compose(["sampler=cps", "algo=grpo"])) == 9
     assert _trained(hydra_compose(["model=tiny_sd3", "sampler=dance", "algo=grpo", "algo.timestep_fraction=0.6"])) == 9  # 16 × 0.6
-    assert _trained(hydra_compose(["sampler=dance", "algo=grpo", "algo.timestep_fraction=0.6"])) == 6  # the asset: 10 steps
+    assert _trained(hydra_compose(["sampler=dance", "algo=grpo", "algo.timestep_fraction=0.6"])) == 9  # its 16 here too
+    assert _trained(hydra_compose(["experiment=dance_grpo_shapes"])) == 6  # the recipe states the asset's 10 steps
     assert _trained(hydra_compose([])) == 2  # the default MixGRPO: a window of 2 of 10
 
 
