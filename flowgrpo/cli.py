@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import atomic_write_text
-from .config import validate
+from .config import steps_line, validate
 from .runlog import LOG_NAME, close_file_logs, code_version, discard_hydra_dir, log, remove_empty_dirs, run_log
 
 __all__ = ["main", "resolve_output_dir"]
@@ -132,6 +132,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
                 OmegaConf.save(cfg, out / "config.yaml", resolve=True)
                 if code:
                     log.info(f"code: commit {code['commit']}{' with uncommitted changes' if code['changes'] else ''}")
+                log.info(steps_line(cfg))  # the steps sampled, and whether they are the model's grid or stated
             trainer = Trainer(cfg, out, accelerator=accelerator)
             summary = trainer.fit()
             if main_process:

@@ -22,10 +22,12 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import II, MISSING, DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from samplers import KERNELS, SOLVERS
 
@@ -50,6 +52,7 @@ __all__ = [
     "algo_schema",
     "validate",
     "streaming_model_message",
+    "steps_line",
     "ConfigError",
 ]
 
@@ -114,6 +117,8 @@ class ModelConfig:
     height: int = _knob(MISSING, ge=8)  # image height in pixels
     width: int = _knob(MISSING, ge=8)  # image width in pixels
     num_frames: Optional[int] = _knob(None, ge=1)  # video frames (Wan); null for image models
+    num_steps: int = _knob(10, ge=1)  # the model's rollout step grid: sampler.num_steps unless the sampler option sets its own
+    eval_num_steps: int = _knob(40, ge=1)  # the model's held-out ODE steps: sampler.eval_num_steps unless the sampler option sets its own
     guidance_scale: float = _knob(1.0, ge=0)  # CFG scale at rollout (FLUX-dev: distilled guidance embedding)
     guidance_kwargs: Dict[str, Any] = field(default_factory=dict)  # family-specific guidance (FLUX: true_cfg_scale)
     negative_prompt: str = ""  # negative prompt for CFG
@@ -135,11 +140,16 @@ class SamplerConfig:
     Which steps are stochastic is the algorithm's decision (``algo``): every step (Flow-GRPO, DanceGRPO), a
     sliding window (MixGRPO), one step per prompt (Flash-GRPO) or none (DiffusionNFT). The sampler says how a
     stochastic step is drawn (``kernel``, ``noise_level``) and how deterministic steps are solved (``solver``).
+
+    Steps: an option that states ``num_steps`` (``sampler=dance``: 16, ``sampler=mix_sde``: 25) runs them on every
+    model; one that does not (``sampler=sde``, ``sampler=cps``) runs the model's grid, ``model.num_steps`` and
+    ``model.eval_num_steps`` (the embedded models: 10 and 10; the others: 10 and 40). Nothing rewrites a stated
+    value: the command line (``sampler.num_steps=N``) and presets set it like any other key.
     """
 
-    name: str = MISSING  # the option's name, for logs
-    num_steps: int = _knob(10, ge=1)  # T: sampling steps of a training rollout
-    eval_num_steps: int = _knob(40, ge=1)  # ODE steps of held-out evaluation / galleries
+    name: str = MISSING  # the option's name, for logs (stream: a streaming model's own sampler)
+    num_steps: int = _knob(II("model.num_steps"), ge=1)  # T: sampling steps of a training rollout
+    eval_num_steps: int = _knob(II("model.eval_num_steps"), ge=1)  # ODE steps of held-out evaluation / galleries
     shift: Optional[float] = _knob(None, gt=0)  # override the model's schedule shift; null = the scheduler's own
     kernel: str = _knob("flow_grpo", choices=tuple(KERNELS))  # SDE transition of the stochastic steps (samplers.steps)
     noise_level: float = _knob(0.7, ge=0)  # a (flow_grpo, cps) or eta (dance)
@@ -272,7 +282,7 @@ class TrainerConfig:
     ema: EMAConfig = field(default_factory=EMAConfig)  # EMA of trainable weights
     mixed_precision: str = _knob("no", choices=("no", "fp16", "bf16"))  # accelerate autocast for the trained forward
     allow_tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
-    seed: int = 0  # seeds prompts, noise and SDE draws (per process offset by rank)
+    seed: int = 0  # seeds prompts, noise and SDE draws, each keyed by (seed, iteration, global row): the same on any number of processes
     eval_every: int = _knob(25, ge=0)  # iterations between held-out evaluations; 0 = only eval_before / eval_at_end
     eval_before: bool = True  # evaluate the pretrained model first (the baseline)
     eval_at_end: bool = True  # evaluate the final weights when the run completes (false: only what eval_every asks)
@@ -459,25 +469,42 @@ def streaming_model_message(model: DictConfig, algo: str, option: str | None = N
             f"with `python -m flowgrpo.stream --preset {option or 'NAME'} ...`")
 
 
+def _pairing_errors(cfg: DictConfig) -> list[str]:
+    """A streaming model trains with a streaming algorithm, and a streaming algorithm trains a streaming model."""
+    from .algorithms import ALGORITHMS
+
+    m, a = cfg.get("model"), cfg.get("algo")
+    if m is None or a is None or OmegaConf.is_missing(m, "family") or OmegaConf.is_missing(a, "name") \
+            or a.name not in ALGORITHMS:
+        return []
+    streaming_model, streaming_algo = m.family == STREAM_FAMILY, ALGORITHMS[a.name].streaming
+    if streaming_model and not streaming_algo:
+        return [streaming_model_message(m, a.name)]
+    if streaming_algo and not streaming_model:
+        return [f"algo={a.name} trains a streaming model (model.family={STREAM_FAMILY!r}, e.g. "
+                f"model=causal_wan_shapes), but model.family={m.family!r} denoises whole clips or images: choose "
+                "a streaming model (model=...), or another algorithm (algo=...)"]
+    return []
+
+
 def _stream_checks(cfg: DictConfig, errors: list[str]) -> None:
     """A streaming model trains with a streaming algorithm over its own few-step schedule; and the other way round."""
     m, s, a = cfg.get("model"), cfg.get("sampler"), cfg.get("algo")
     if m is None or a is None or OmegaConf.is_missing(m, "family") or OmegaConf.is_missing(a, "name") \
             or a.name not in ALGORITHMS:
         return
-    streaming_model, streaming_algo = m.family == STREAM_FAMILY, ALGORITHMS[a.name].streaming
-    if streaming_model and not streaming_algo:
-        errors.append(streaming_model_message(m, a.name))
-    elif streaming_algo and not streaming_model:
-        errors.append(f"algo={a.name} trains a streaming model (model.family={STREAM_FAMILY!r}, e.g. "
-                      f"model=causal_wan_shapes), but model.family={m.family!r} denoises whole clips or images")
-    if not (streaming_model and streaming_algo) or s is None or m.get("stream") is None:
+    errors.extend(_pairing_errors(cfg))
+    if not (m.family == STREAM_FAMILY and ALGORITHMS[a.name].streaming) or s is None or m.get("stream") is None:
         return
     steps = m.stream.num_steps
     for key in ("num_steps", "eval_num_steps"):
         if s[key] != steps:
             errors.append(f"sampler.{key}={s[key]}: a streaming model denoises each block in its own "
                           f"model.stream.num_steps={steps} steps; set sampler.{key}={steps} (sampler=stream does)")
+    if s.noise_level != 1.0:  # held-out streams are sampled at level 1 (StreamAdapter.generate): train as evaluated
+        errors.append(f"sampler.noise_level={s.noise_level}: a streaming model re-noises with fresh noise at level 1 "
+                      "between steps, in rollouts as in its held-out evaluation; set sampler.noise_level=1.0 "
+                      "(sampler=stream does)")
     if s.shift is not None:
         errors.append(f"sampler.shift={s.shift}: a streaming model's noise levels are its own (model.stream.shift); "
                       "set sampler.shift=null")
@@ -486,12 +513,44 @@ def _stream_checks(cfg: DictConfig, errors: list[str]) -> None:
                       "the cps kernel (at noise level 1, its own sampler); use sampler=stream")
 
 
+def _stream_sampler_message(cfg: DictConfig) -> str | None:
+    """Why ``sampler=stream`` cannot sample a model that is not a streaming one, or None."""
+    m, s = cfg.get("model"), cfg.get("sampler")
+    if m is None or s is None or OmegaConf.is_missing(m, "family") or m.family == STREAM_FAMILY:
+        return None
+    raw = OmegaConf.to_container(s, resolve=False)
+    if raw.get("name") != "stream" and "model.stream" not in f"{raw.get('num_steps')}{raw.get('eval_num_steps')}":
+        return None
+    return (f"sampler=stream is a streaming model's own sampler (each block in model.stream.num_steps steps), but "
+            f"model.family={m.family!r} denoises whole {'clips' if m.family in VIDEO_FAMILIES else 'images'}: choose "
+            f"another sampler (sampler=..., e.g. the default sde), or a streaming model (model=causal_wan_shapes) "
+            f"with a streaming algorithm")
+
+
+def _unresolved(node: Any, errors: list[str]) -> None:
+    """Report every key of ``node`` whose interpolation cannot be resolved, naming the key and what it points at."""
+    if not isinstance(node, DictConfig):
+        return
+    for key in node.keys():
+        if OmegaConf.is_missing(node, key):
+            continue  # a ``???`` left for the user: reported by OmegaConf when it is read
+        try:
+            value = node[key]
+        except InterpolationResolutionError as err:
+            raw = OmegaConf.to_container(node, resolve=False)[key]
+            errors.append(f"{_full_key(node, key)}={raw} cannot be resolved: {str(err).splitlines()[0]}")
+            continue
+        _unresolved(value, errors)
+
+
 def _cross_checks(cfg: DictConfig, errors: list[str]) -> None:
     """Constraints between keys (each message names the keys to change)."""
     m, s, a = cfg.get("model"), cfg.get("sampler"), cfg.get("algo")
     if m is not None and not OmegaConf.is_missing(cfg, "model"):
         _model_checks(m, errors)
         _stream_checks(cfg, errors)
+        if s is not None and not OmegaConf.is_missing(cfg, "sampler") and _stream_sampler_message(cfg):
+            errors.append(_stream_sampler_message(cfg))
     r = cfg.get("reward")
     if r is not None and not OmegaConf.is_missing(r, "name") and r.aggregate.name != "sum" and r.name != "multi":
         errors.append(f"reward.aggregate.name={r.aggregate.name!r} combines the components of a multi-reward, but "
@@ -517,7 +576,16 @@ def validate(cfg: DictConfig) -> DictConfig:
     """
     errors: list[str] = []
     groups = [g for g in GROUP_SCHEMAS if g in cfg]
-    if groups:  # the whole tree
+    if groups:  # the whole tree; a key that cannot be resolved fails first, with why
+        unresolved: list[str] = []
+        for group in groups:
+            if not OmegaConf.is_missing(cfg, group):
+                _unresolved(cfg[group], unresolved)
+        if unresolved:  # say why first: a streaming model's keys asked of a model that has none
+            message = _stream_sampler_message(cfg)
+            if message:
+                unresolved = _pairing_errors(cfg) + [message] + [u for u in unresolved if "model.stream" not in u]
+            raise ConfigError("invalid config:\n  " + "\n  ".join(unresolved))
         for key in cfg.keys():
             if key not in GROUP_SCHEMAS and key != "hydra":
                 errors.append(f"{key}: unknown top-level key (groups: {', '.join(GROUP_SCHEMAS)})")
@@ -538,6 +606,19 @@ def validate(cfg: DictConfig) -> DictConfig:
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     return cfg
+
+
+def steps_line(cfg: DictConfig) -> str:
+    """The steps a run samples and where each count comes from, for its log: the model's grid (the sampler option
+    states none) or a stated value (the sampler option, a preset or the command line)."""
+    raw = OmegaConf.to_container(cfg.sampler, resolve=False)
+
+    def one(key: str) -> str:
+        grid = isinstance(raw.get(key), str) and raw[key].strip() == f"${{model.{key}}}"
+        origin = f"model.{key}: the model's grid" if grid else "stated by the sampler option, a preset or an override"
+        return f"sampler.{key}={cfg.sampler[key]} ({origin})"
+
+    return f"steps: {one('num_steps')}, {one('eval_num_steps')}"
 
 
 def _algo_schema(node: DictConfig, errors: list[str]) -> type | None:
@@ -564,6 +645,33 @@ def _schema_of(node: DictConfig, errors: list[str]) -> type | None:
     return GROUP_SCHEMAS.get(key) if isinstance(key, str) else None
 
 
+# ------------------------------------------------------------------------------------------------ --help
+
+#: the groups a user chooses from on the command line, in --help's order (the others under conf/ are applied for
+#: them: model_defaults/<model>.yaml with its model, experiment_algo/<experiment>/<algo>.yaml with its pair)
+CHOOSABLE_GROUPS = (*GROUP_SCHEMAS, "experiment", "debug")
+_CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def help_groups(conf: str | Path | None = None, width: int = 116) -> str:
+    """``python train.py --help``'s list of groups: each group's options (its ``conf/<group>/*.yaml``, the typed
+    ``base_*`` schemas left out) and, in brackets, the option the command composes (the default, or what the command
+    line chose)."""
+    import textwrap
+
+    from hydra.core.hydra_config import HydraConfig
+
+    chosen = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    lines = []
+    for group in CHOOSABLE_GROUPS:
+        names = sorted(p.stem for p in (Path(conf or _CONF) / group).glob("*.yaml") if not p.stem.startswith("base_"))
+        head = f"  {group} [{chosen.get(group) or 'none'}]: "
+        lines.append(textwrap.fill(", ".join(names), width, initial_indent=head,
+                                   subsequent_indent=" " * len(head), break_on_hyphens=False))
+    return "\n".join(lines)
+
+
+OmegaConf.register_new_resolver("flowgrpo.help_groups", lambda: help_groups(), replace=True)
 register_configs()
 # Every algorithm module stores its own schema when its class is defined (Algorithm.__init_subclass__); importing
 # the package here makes `import flowgrpo.config` enough for Hydra to compose any algo option.

@@ -14,8 +14,10 @@ The protocol, in full:
   independent of the training seed, so every run is judged on the same images, whatever the batching, the
   number of processes or the prompts a caller keeps.
 - **how** (:func:`generate`): the deterministic Euler ODE (``samplers.rollout`` without an SDE step) over the
-  held-out schedule (``sampler.eval_num_steps`` steps of the model scheduler's grid), classifier-free guidance as
-  the model config says (``model.guidance_scale``, ``model.negative_prompt``), batched.
+  held-out schedule (``Sampler.eval_sigmas``: ``sampler.eval_num_steps`` steps of the model scheduler's grid, or of
+  ``sampler.shift``'s when set), classifier-free guidance as the model config says (``model.guidance_scale``,
+  ``model.negative_prompt``), batched. A streaming model samples each stream with its own re-noising sampler
+  instead (``cps`` at noise level 1, block by block), its re-noise draws from the sample's generator too.
 - **scored and summarised** (:func:`score_jobs`, :class:`EvalSamples`): by the run's reward; the mean over
   samples of the reward and of each component, and for each GenEval reward (bare or inside ``reward=multi``)
   GenEval's overall score, the mean over tags of the per-tag means (:func:`rewards.geneval_summary`).

@@ -154,14 +154,25 @@ def scoped(overrides: list[str], recipe: list[str]) -> list[str]:
     return out
 
 
+#: on an embedded model every row samples the model's own grid, whatever its sampler option states (sampler=mix_sde:
+#: 25): the CPU rows compare the algorithms at the step count of that world, as its experiment presets do
+MODEL_GRID = ["sampler.num_steps=${model.num_steps}", "sampler.eval_num_steps=${model.eval_num_steps}"]
+
+
 def compose(overrides: list[str]):
+    """``python train.py``'s config with ``overrides``; on an embedded model (``model.pretrained`` under assets/) with
+    :data:`MODEL_GRID` too, unless the overrides set the steps themselves."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     import flowgrpo.config  # noqa: F401
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return hydra_compose("train", overrides=overrides)
+        cfg = hydra_compose("train", overrides=overrides)
+        steps = any(o.startswith(("sampler.num_steps=", "sampler.eval_num_steps=")) for o in overrides)
+        if str(cfg.model.pretrained).startswith("assets/") and not steps:
+            cfg = hydra_compose("train", overrides=[*overrides, *MODEL_GRID])
+        return cfg
 
 
 def scratch_trainer(overrides: list[str], prefix: str):

@@ -266,9 +266,9 @@ def render() -> str:
         "*meaning* column below, so there is one place to change it. Set any key on the command line",
         "(`python train.py trainer.group_size=16`), pick a group option (`model=sd35_medium`) or a preset",
         "(`experiment=flow_grpo_shapes`). *default* is the schema's; an option file or a preset may set another",
-        "value, and `python train.py [overrides] --cfg job` prints the composed config. *allowed* lists what",
-        "`flowgrpo.config.validate` checks before anything is built; an unknown key or a wrong type fails naming",
-        "the key.",
+        "value, and `python train.py [overrides] --cfg job` prints the composed config and checks it (a config a",
+        "run would refuse exits 1 with the reasons). *allowed* lists what `flowgrpo.config.validate` checks before",
+        "anything is built; an unknown key or a wrong type fails naming the key.",
         "",
         "| group | schema | what |",
         "|---|---|---|",
@@ -297,7 +297,8 @@ def render() -> str:
         lines.append("")
     lines += ["## Presets {#presets}", "",
               "`experiment=NAME` applies a named recipe after the groups; `debug=NAME` applies a debugging preset "
-              "last; `model_defaults/<model>.yaml` is applied automatically with its model, before both; "
+              "last; `model_defaults/<model>.yaml` is applied automatically with its model, before both (trainer defaults "
+              "only: keys no group option sets, so it never overrides a choice); "
               "`experiment_algo/<experiment>/<algo>.yaml` holds a recipe's knobs for one algorithm on its world and is "
               "applied only while that algorithm is chosen (`experiment=E algo=X` runs X at its defaults unless such a "
               "file exists). The command "

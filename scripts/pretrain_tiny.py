@@ -390,12 +390,15 @@ def ema_pipeline(pipe, trained_modules: tuple[str, ...], ema: list[torch.Tensor]
 
 def save_pipeline(pipe, out: Path, summary: dict) -> None:
     """``save_pretrained`` into ``out`` with ``pretrain_summary.json``, replacing any previous export only once the
-    new one is complete (written beside it, then renamed)."""
+    new one is complete (written beside it, then renamed). The previous export's model card (``README.md``) is
+    carried over: the export replaces the weights, not what is written about how to call them."""
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp)
     (tmp / "pretrain_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if (out / "README.md").is_file():
+        shutil.copy2(out / "README.md", tmp / "README.md")
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20

@@ -752,8 +752,8 @@ VIDEO_LABELS = {
         "flow_grpo_lr1e-3": "Flow-GRPO with `trainer.lr=1e-3 trainer.iterations=25` (3.3× the learning rate)",
         "flow_grpo_full_finetune": "Flow-GRPO with `model.finetune=full trainer.lr=1e-4 trainer.iterations=25` "
                                    "(every transformer weight trained)",
-        "dance_grpo": "the same batch with `algo=dance_grpo sampler=dance trainer.iterations=45 trainer.eval_every=15` "
-                      "(DanceGRPO: a random 6 of 10 steps trained)",
+        "dance_grpo": "the same batch with `algo=dance_grpo sampler=dance sampler.num_steps=10 trainer.iterations=45 "
+                      "trainer.eval_every=15` (DanceGRPO: a random 6 of 10 steps trained)",
     },
     "step6000": {
         "flow_grpo": "*on the step-6000 export:* Flow-GRPO as above, 50 iterations",

@@ -105,3 +105,22 @@ def test_code_configs_and_docs_are_self_contained():
                 if m:
                     hits.append(f"{path.relative_to(REPO)}:{n}: {why}: {m.group(0)!r}")
     assert not hits, "\n".join(hits)
+
+
+_NUMBERS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
+                                         "fourteen fifteen sixteen".split())}
+
+
+@pytest.mark.parametrize("path,clip,streaming", [
+    ("docs/index.md", r"runs (\w+) algorithms", r"and (\w+) more on streaming"),
+    ("README.md", r"(\w+) algorithms that run with any", r"(\w+) algorithms for streaming"),
+])
+def test_the_algorithm_counts_in_the_overviews_are_the_registrys(path, clip, streaming):
+    """The overviews count the registered algorithms in words: a new algorithm must move the count."""
+    from flowgrpo.algorithms import ALGORITHMS
+
+    text = " ".join((REPO / path).read_text().split())
+    n_streaming = sum(a.streaming for a in ALGORITHMS.values())
+    for pattern, expected in ((clip, len(ALGORITHMS) - n_streaming), (streaming, n_streaming)):
+        m = re.search(pattern, text)
+        assert m and _NUMBERS.get(m.group(1).lower()) == expected, (path, pattern, m and m.group(1), expected)
