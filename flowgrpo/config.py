@@ -471,8 +471,6 @@ def streaming_model_message(model: DictConfig, algo: str, option: str | None = N
 
 def _pairing_errors(cfg: DictConfig) -> list[str]:
     """A streaming model trains with a streaming algorithm, and a streaming algorithm trains a streaming model."""
-    from .algorithms import ALGORITHMS
-
     m, a = cfg.get("model"), cfg.get("algo")
     if m is None or a is None or OmegaConf.is_missing(m, "family") or OmegaConf.is_missing(a, "name") \
             or a.name not in ALGORITHMS:
