@@ -31,7 +31,7 @@ from omegaconf.errors import InterpolationResolutionError
 
 from samplers import KERNELS, SOLVERS
 
-from .knobs import knob as _knob  # noqa: F401  (the schemas' field; flowgrpo.knobs.knob)
+from .knobs import knob as _knob  # the schemas' field (public: flowgrpo.knobs.knob)
 from .registry import ALGORITHMS, load_algorithms
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
     "validate",
     "streaming_model_message",
     "steps_line",
+    "config_key",
     "ConfigError",
 ]
 
@@ -355,9 +356,11 @@ def algo_schema(name: str) -> type:
 # ----------------------------------------------------------------------------------------- validate
 
 
-def _full_key(node: DictConfig, key: str) -> str:
+def config_key(node: DictConfig, key: str) -> str:
+    """Full dotted key of ``node.key`` (``data.train_file``) for messages that name what to change, or ``key`` for
+    a detached node."""
     try:
-        prefix = node._get_full_key(None)
+        prefix = node._get_full_key(None) if isinstance(node, DictConfig) else ""
     except Exception:  # pragma: no cover - defensive: detached nodes
         prefix = ""
     return f"{prefix}.{key}" if prefix else key
@@ -377,7 +380,7 @@ def _check_fields(node: Any, schema: type, errors: list[str]) -> None:
     names = {f.name for f in dataclasses.fields(schema)}
     for key in node.keys():  # Hydra's "+key=value" appends past the schema's struct flag
         if key not in names:
-            errors.append(f"{_full_key(node, key)}: unknown key (not in {schema.__name__}, {schema.__module__})")
+            errors.append(f"{config_key(node, key)}: unknown key (not in {schema.__name__}, {schema.__module__})")
     for f in dataclasses.fields(schema):
         if f.name not in node or OmegaConf.is_missing(node, f.name):
             continue  # a MISSING value is reported by OmegaConf itself when it is read
@@ -386,7 +389,7 @@ def _check_fields(node: Any, schema: type, errors: list[str]) -> None:
         if nested is not None and isinstance(value, DictConfig):
             _check_fields(value, nested, errors)
             continue
-        meta, key = f.metadata, _full_key(node, f.name)
+        meta, key = f.metadata, config_key(node, f.name)
         if value is None or not meta:
             continue
         if "choices" in meta and value not in meta["choices"]:
@@ -536,7 +539,7 @@ def _unresolved(node: Any, errors: list[str]) -> None:
             value = node[key]
         except InterpolationResolutionError as err:
             raw = OmegaConf.to_container(node, resolve=False)[key]
-            errors.append(f"{_full_key(node, key)}={raw} cannot be resolved: {str(err).splitlines()[0]}")
+            errors.append(f"{config_key(node, key)}={raw} cannot be resolved: {str(err).splitlines()[0]}")
             continue
         _unresolved(value, errors)
 
@@ -547,8 +550,9 @@ def _cross_checks(cfg: DictConfig, errors: list[str]) -> None:
     if m is not None and not OmegaConf.is_missing(cfg, "model"):
         _model_checks(m, errors)
         _stream_checks(cfg, errors)
-        if s is not None and not OmegaConf.is_missing(cfg, "sampler") and _stream_sampler_message(cfg):
-            errors.append(_stream_sampler_message(cfg))
+        message = None if s is None or OmegaConf.is_missing(cfg, "sampler") else _stream_sampler_message(cfg)
+        if message:
+            errors.append(message)
     r = cfg.get("reward")
     if r is not None and not OmegaConf.is_missing(r, "name") and r.aggregate.name != "sum" and r.name != "multi":
         errors.append(f"reward.aggregate.name={r.aggregate.name!r} combines the components of a multi-reward, but "

@@ -650,23 +650,14 @@ def test_model_defaults_set_no_key_that_a_group_option_sets():
     """``conf/model_defaults/<model>.yaml`` is applied after the group choices: a key it shared with a group option
     would rewrite that option's value behind the user's back (it once set ``sampler.num_steps`` over
     ``sampler=dance``)."""
-    def leaves(node, prefix=""):
-        for k, v in node.items():
-            if k == "defaults":
-                continue
-            if isinstance(v, dict):
-                yield from leaves(v, f"{prefix}{k}.")
-            else:
-                yield f"{prefix}{k}"
-
     set_by_options = {f"{group}.{key}" for group in GROUPS for option in options(group)
-                      for key in leaves(OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml")))}
-    set_by_options |= {f"sampler.{key}" for key in leaves(OmegaConf.to_container(OmegaConf.structured(
+                      for key in _stated(OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml")))}
+    set_by_options |= {f"sampler.{key}" for key in _stated(OmegaConf.to_container(OmegaConf.structured(
         GROUP_SCHEMAS["sampler"])))}  # and every sampler key, so that a later option cannot clash either
     files = sorted((CONF / "model_defaults").glob("*.yaml"))
     for path in files:
         assert path.stem in options("model"), path
-        keys = set(leaves(OmegaConf.to_container(OmegaConf.load(path))))
+        keys = set(_stated(OmegaConf.to_container(OmegaConf.load(path))))
         assert keys and not keys & set_by_options, (path.name, sorted(keys & set_by_options))
 
 

@@ -13,9 +13,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import STREAM_FAMILY, validate
+from ..config import STREAM_FAMILY, config_key, validate
 from ..paths import REPO_ROOT, looks_local, resolve_path
-from .keys import config_key
 
 __all__ = ["build_adapter", "model_kwargs"]
 

@@ -10,9 +10,8 @@ from typing import Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import validate
+from ..config import config_key, validate
 from ..paths import REPO_ROOT, resolve_path
-from .keys import config_key
 
 __all__ = ["PromptSet", "build_prompts", "prompt_pools", "tag_rows"]
 

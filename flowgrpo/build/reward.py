@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import validate
-from .keys import config_key
+from ..config import config_key, validate
 
 __all__ = ["build_reward"]
 
