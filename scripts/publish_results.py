@@ -746,8 +746,8 @@ VIDEO_LABELS = {
         "flow_grpo": "`experiment=video_shapes algo=grpo trainer.iterations=50 trainer.eval_every=25` (Flow-GRPO, its "
                      "3 noisiest steps, the preset before AWM replaced it)",
         "flow_grpo_seed1": "the same, `trainer.seed=1 trainer.iterations=25`",
-        "grpo_guard": "the same with `algo=grpo_guard algo.timestep_fraction=0.3 algo.timestep_selection=first` "
-                      "(GRPO-Guard on the same 3 steps)",
+        "grpo_guard": "the same with `algo=grpo_guard algo.timestep_fraction=0.3 algo.timestep_selection=first "
+                      "trainer.prompts_per_iteration=4` (GRPO-Guard on the same 3 steps and batch)",
         "grpo_guard_seed1": "the same GRPO-Guard with `trainer.seed=1 trainer.iterations=25`",
         "flow_grpo_lr1e-3": "Flow-GRPO with `trainer.lr=1e-3 trainer.iterations=25` (3.3× the learning rate)",
         "flow_grpo_full_finetune": "Flow-GRPO with `model.finetune=full trainer.lr=1e-4 trainer.iterations=25` "
@@ -757,8 +757,8 @@ VIDEO_LABELS = {
     },
     "step6000": {
         "flow_grpo": "*on the step-6000 export:* Flow-GRPO as above, 50 iterations",
-        "mix_grpo": "*on the step-6000 export:* `algo=mix_grpo algo.timestep_fraction=1 trainer.iterations=60 "
-                    "trainer.eval_every=20` (MixGRPO, window 2, both window steps trained)",
+        "mix_grpo": "*on the step-6000 export:* `algo=mix_grpo algo.timestep_fraction=1 trainer.prompts_per_iteration=4 "
+                    "trainer.iterations=60 trainer.eval_every=20` (MixGRPO, window 2, both window steps trained)",
     },
 }
 
