@@ -109,6 +109,7 @@ def plot_curves(history: list[dict], evals: list[dict], path: Path) -> Path | No
 
 def main(cfg: DictConfig) -> dict[str, Any]:
     """Train with ``cfg``; returns the summary (also written to ``summary.json`` in the run dir)."""
+    accelerator = None
     try:
         validate(cfg)
         from accelerate import Accelerator
@@ -120,6 +121,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         out = _shared_output_dir(cfg, accelerator)
     except BaseException:
         discard_hydra_dir()
+        if accelerator is not None:  # the process group too (see the end of this function)
+            accelerator.end_training()
         raise
     from .trainer import Trainer
 
