@@ -50,6 +50,11 @@ def test_a_bad_metadata_line_fails_at_set_up_naming_file_and_line(tmp_path, no_m
                       f"trainer.output_dir={tmp_path / 'run'}")
     with pytest.raises(ValueError, match=rf"{path}:4: record\.include\[0\]\.class: .*'cat'"):
         Trainer(cfg, tmp_path / "run")
+    # a misspelt key inside a clause is refused with its line and the nearest known key, not judged without it
+    misspelt = {"tag": "colors", "include": [{"class": "circle", "count": 1, "colour": "red"}], "prompt": "a red circle"}
+    _jsonl(path, [good, misspelt])
+    with pytest.raises(ValueError, match=rf"{path}:2: record\.include\[0\]: unknown key 'colour' \(did you mean 'color'\?\)"):
+        Trainer(cfg, tmp_path / "run")
     assert no_model == []
 
 
