@@ -279,7 +279,7 @@ class TrainerConfig:
     warmup_updates: int = _knob(0, ge=0)  # linear warm-up of the learning rate
     max_grad_norm: Optional[float] = _knob(1.0, gt=0)  # clip the gradient norm; null = no clipping
     max_skipped_updates: int = _knob(3, ge=1)  # stop after this many updates in a row skipped (non-finite, or diverged)
-    max_update_ratio: Optional[float] = _knob(1.0, gt=0)  # a LoRA update of more than this x the weights' norm: rolled back, skipped
+    max_update_ratio: Optional[float] = _knob(1.0, gt=0)  # an update of more than this x the trained weights' norm: rolled back, skipped
     ema: EMAConfig = field(default_factory=EMAConfig)  # EMA of trainable weights
     mixed_precision: str = _knob("no", choices=("no", "fp16", "bf16"))  # accelerate autocast for the trained forward
     allow_tf32: bool = True  # TF32 matmuls on Ampere+ GPUs

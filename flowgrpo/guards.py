@@ -69,6 +69,17 @@ def degenerate_flags(samples: torch.Tensor, max_side: int = 128) -> torch.Tensor
     return torch.tensor([flag is not None for flag in flags], dtype=torch.float32)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of a sharded (FSDP's ``DTensor``) tensor, or the tensor itself; under ``no_grad`` it is the
+    tensor the ``DTensor`` holds, so writing into it writes the shard."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _inner(optimizer):
+    """The torch optimizer under accelerate's wrapper (whose ``state`` it owns)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
 class Guards:
     """Memory, finiteness, divergence and stop-request checks of a :class:`~flowgrpo.trainer.Trainer` (a mixin: see
     the module's docstring for what it reads)."""
@@ -179,32 +190,56 @@ class Guards:
                 "check the reward and the data, or raise trainer.max_skipped_updates.")
 
     def _pre_step_copy(self) -> dict | None:
-        """What an optimizer step may have to be undone to: copies of the trained LoRA weights and the optimizer
-        state (small), when ``trainer.max_update_ratio`` is set. Full fine-tuning (a copy would cost the model's size
-        again) and FSDP (sharded weights) run without the check."""
-        if self._update_guard is None:  # LoRA on one process or under DDP (replicated weights)
-            t = self.cfg.trainer
-            self._update_guard = (t.max_update_ratio is not None and self.cfg.model.finetune == "lora"
-                                  and not gathers_state(self.acc))
+        """What an optimizer step may have to be undone to, when ``trainer.max_update_ratio`` is set: copies of the
+        trained weights and of the optimizer state. LoRA keeps them on the device (they are small); full
+        fine-tuning on the host (the model's size and the optimizer's moments again: host memory instead of the
+        GPU's, at the price of a device-to-host copy per update). Under FSDP each process copies its own shards."""
+        if self._update_guard is None:
+            self._update_guard = self.cfg.trainer.max_update_ratio is not None
         if not self._update_guard:
             return None
-        return {"params": [p.detach().clone() for p in self.params],
-                "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+        host = self.cfg.model.finetune != "lora"
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            t = _local(t).detach()
+            return t.to("cpu", copy=True) if host else t.clone()
+
+        with torch.no_grad():
+            return {"norm2": sum(_local(p).detach().double().pow(2).sum().to(self.device) for p in self.params),
+                    "params": [keep(p) for p in self.params],
+                    "optimizer": {p: {k: keep(v) if torch.is_tensor(v) else copy.deepcopy(v) for k, v in s.items()}
+                                  for p, s in _inner(self.optimizer).state.items()}}
 
     def _undo_if_diverged(self, before: dict | None) -> float | None:
         """None when the step stays; else the ratio ``||Δθ|| / ||θ||`` of the step just taken, which exceeded
-        ``trainer.max_update_ratio`` or is not finite, after putting the weights and the optimizer back."""
+        ``trainer.max_update_ratio`` or is not finite, after putting the weights and the optimizer back. Sharded
+        (FSDP) weights: the squared norms of every process's shards are summed, so all processes agree."""
         if before is None:
             return None
         with torch.no_grad():
-            old = torch.sqrt(sum(c.double().pow(2).sum() for c in before["params"]))
-            moved = torch.sqrt(sum((p.detach().double() - c.double()).pow(2).sum()
-                                   for p, c in zip(self.params, before["params"])))
+            norms = torch.stack([
+                before["norm2"],
+                sum((_local(p).detach().double() - c.to(_local(p).device).double()).pow(2).sum().to(self.device)
+                    for p, c in zip(self.params, before["params"]))])
+            if gathers_state(self.acc):
+                norms = self.acc.reduce(norms, reduction="sum")
+            old, moved = torch.sqrt(norms)
             ratio = float(moved / old.clamp_min(1e-12))
         if math.isfinite(ratio) and ratio <= self.cfg.trainer.max_update_ratio:
             return None
         with torch.no_grad():
             for p, c in zip(self.params, before["params"]):
-                p.copy_(c)
-        self.optimizer.load_state_dict(before["optimizer"])
+                _local(p).copy_(c)
+            state = _inner(self.optimizer).state
+            for p in [p for p in state if p not in before["optimizer"]]:
+                del state[p]  # state the undone step created (its first): gone, as before it
+            for p, saved in before["optimizer"].items():
+                live = state[p]
+                for k in [k for k in live if k not in saved]:
+                    del live[k]
+                for k, v in saved.items():
+                    if torch.is_tensor(v) and torch.is_tensor(live.get(k)):
+                        _local(live[k]).copy_(v)
+                    else:
+                        live[k] = v
         return ratio if math.isfinite(ratio) else float("inf")
