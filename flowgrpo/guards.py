@@ -3,8 +3,9 @@
 :class:`Guards` is a mixin of :class:`~flowgrpo.trainer.Trainer`, beside :class:`~flowgrpo.run_state.RunState` (which
 writes the checkpoint a stopped or crashed run leaves):
 
-- **memory** — :meth:`Guards._check_rollout_memory`: a batch whose trajectories (:meth:`Guards.rollout_bytes`) cannot
-  fit is refused before the first rollout, naming the keys that set it.
+- **memory** — :meth:`Guards._check_rollout_memory`: a batch whose trajectories (:meth:`Guards.rollout_bytes`) and
+  largest forward (:meth:`Guards.forward_bytes`) cannot fit is refused before the first rollout, naming the keys that
+  set it.
 - **non-finite samples** — :meth:`Guards._check_finite_rollout` / :meth:`Guards._check_finite`: samples that are not
   finite stop the run (:class:`NonFiniteError`) before a reward reads them, and mark the weights that drew them as
   diverged (never checkpointed).
@@ -80,6 +81,61 @@ def _inner(optimizer):
     return getattr(optimizer, "optimizer", optimizer)
 
 
+#: forward fits already measured, by model set-up (the tests build many trainers of one model)
+_FORWARD_FITS: dict[str, tuple | None] = {}
+
+
+def forward_peaks(trainer, n: int) -> tuple[int, int]:
+    """Bytes of the tensors alive at the peak of ``trainer``'s rollout velocity call (with its guidance and autocast)
+    and of its decode, each on ``n`` samples, run on fake tensors: shapes and dtypes, no memory (ops whose inputs are
+    all real, the text conditioning's, run for real: a few small tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .planner import MemoryTracker
+
+    c, adapter, guidance = trainer.cfg.model, trainer.adapter, trainer.model_kw["guidance"]
+    cond = trainer._encode([""]).repeat_interleave(n)
+
+    def velocity(x):
+        with trainer.acc.autocast():
+            adapter.velocity(x, torch.full((n,), 0.5, device=x.device), cond, **guidance)
+
+    peaks = []
+    for fn in (velocity, adapter.decode):
+        tracker = MemoryTracker()
+        tracker.small_real = 65536  # the few values code reads back (shapes, schedules) stay real
+        # no random draw reaches the run's generators (what small factories make is real)
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True), tracker:
+            fn(torch.zeros(adapter._latent_shape(n, c.height, c.width, c.get("num_frames")), device=trainer.device))
+        peaks.append(tracker.peak)
+    return peaks[0], peaks[1]
+
+
+def _forward_fit(trainer) -> tuple | None:
+    """``((fixed, per sample) of a rollout velocity call, (fixed, per sample) of a decode)`` in bytes, from
+    :func:`forward_peaks` at 2 and 4 samples, after a first call at 1 that is not counted (what a model does once,
+    on its first call, is not a cost of every call: the adapter puts its VAE in channels-last memory on its first
+    decode); None (and a warning) when the adapter cannot run on fake tensors."""
+    import json
+    import warnings
+
+    from omegaconf import OmegaConf
+
+    key = json.dumps([OmegaConf.to_container(trainer.cfg.model, resolve=True),
+                      str(trainer.cfg.trainer.mixed_precision), str(trainer.device)], sort_keys=True, default=str)
+    if key not in _FORWARD_FITS:
+        try:
+            forward_peaks(trainer, 1)
+            two, four = forward_peaks(trainer, 2), forward_peaks(trainer, 4)
+            _FORWARD_FITS[key] = tuple((max(2 * a - b, 0), max((b - a) // 2, 0)) for a, b in zip(two, four))
+        except Exception as err:  # an adapter whose forward reads values back: the check counts the stored rollouts
+            warnings.warn(f"the rollout memory check could not measure the model's forward on fake tensors "
+                          f"({type(err).__name__}: {err}); it counts the stored rollouts only", RuntimeWarning,
+                          stacklevel=3)
+            _FORWARD_FITS[key] = None
+    return _FORWARD_FITS[key]
+
+
 class Guards:
     """Memory, finiteness, divergence and stop-request checks of a :class:`~flowgrpo.trainer.Trainer` (a mixin: see
     the module's docstring for what it reads)."""
@@ -95,25 +151,49 @@ class Guards:
         pixels = 3 * c.height * c.width * (frames or 1)
         return 4 * m * (states * latent + pixels)
 
+    def forward_bytes(self) -> int | None:
+        """The largest forward of one iteration on one process, besides the weights: a rollout forward of
+        ``trainer.rollout_batch_size`` samples (per process; with guidance, as the rollout calls it) or the decode of
+        every rollout the score phase runs at once, whichever is larger. Measured, not guessed: the adapter's own
+        velocity call and decode run on fake tensors (shapes, no memory; only the text conditioning computes) at 2
+        and 4 samples, and the peak of the tensors alive is extended linearly to the batch (activations grow with
+        the batch). None for a streaming model (its forwards carry a cache) or when the adapter cannot run on fake
+        tensors (a warning)."""
+        if self.chunked:
+            return None
+        fit = _forward_fit(self)
+        if fit is None:
+            return None
+        (v0, v1), (d0, d1) = fit
+        chunk, m = self.batch.rollout_batch_per_process, self.batch.rollouts_per_process
+        return int(max(v0 + v1 * chunk, d0 + d1 * m))
+
     def _check_rollout_memory(self, available: int | None = None) -> None:
-        """Refuse, before the first rollout, a batch whose trajectories cannot fit: more than 80% of the memory
-        left on the device (host RAM on a CPU), with the numbers and the keys that set them."""
+        """Refuse, before the first rollout, a batch that cannot fit: its trajectories and decoded samples
+        (:meth:`rollout_bytes`) plus its largest forward (:meth:`forward_bytes`) over 80% of the memory left on the
+        device (host RAM on a CPU), with the numbers and the keys that set them."""
         if available is None:
             available = available_memory(self.device)
         if available is None:
             return
-        need = self.rollout_bytes()
+        kept, forward = self.rollout_bytes(), self.forward_bytes()
+        need = kept + (forward or 0)
         if need <= 0.8 * available:
             return
         t = self.cfg.trainer
         gib = 2 ** 30
+        largest = ("" if forward is None else
+                   f", and its largest forward takes {forward / gib:.1f} GiB more (a rollout forward of "
+                   f"{self.batch.rollout_batch_per_process} samples, trainer.rollout_batch_size="
+                   f"{t.rollout_batch_size}, or decoding the {self.batch.rollouts_per_process} samples)")
         raise MemoryError(
-            f"one iteration's rollouts keep {need / gib:.1f} GiB on each process ({self.batch.rollouts_per_process} "
+            f"one iteration's rollouts keep {kept / gib:.1f} GiB on each process ({self.batch.rollouts_per_process} "
             f"samples = trainer.prompts_per_iteration={t.prompts_per_iteration} x trainer.group_size={t.group_size}"
             f"{f' / {self.world} processes' if self.world > 1 else ''}, {int(self.cfg.sampler.num_steps) + 1} states "
-            f"each at sampler.num_steps={self.cfg.sampler.num_steps}, plus the decoded samples), but only "
-            f"{available / gib:.1f} GiB is available on {self.device}. Lower trainer.group_size or "
-            "trainer.prompts_per_iteration, or use more processes.")
+            f"each at sampler.num_steps={self.cfg.sampler.num_steps}, plus the decoded samples){largest}: "
+            f"{need / gib:.1f} GiB, but only {available / gib:.1f} GiB is available on {self.device}. Lower "
+            "trainer.group_size or trainer.prompts_per_iteration (or trainer.rollout_batch_size, for the rollout "
+            "forward), or use more processes.")
 
     def _check_finite_rollout(self, batch: Batch, iteration: int) -> None:
         """Samples that are not finite mean the weights that drew them have diverged: stop here, before a reward
