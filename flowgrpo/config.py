@@ -279,7 +279,7 @@ class TrainerConfig:
     warmup_updates: int = _knob(0, ge=0)  # linear warm-up of the learning rate
     max_grad_norm: Optional[float] = _knob(1.0, gt=0)  # clip the gradient norm; null = no clipping
     max_skipped_updates: int = _knob(3, ge=1)  # stop after this many updates in a row skipped (non-finite, or diverged)
-    max_update_ratio: Optional[float] = _knob(1.0, gt=0)  # a LoRA update of more than this x the weights' norm: rolled back, skipped
+    max_update_ratio: Optional[float] = _knob(1.0, gt=0)  # an update of more than this x the trained weights' norm: rolled back, skipped
     ema: EMAConfig = field(default_factory=EMAConfig)  # EMA of trainable weights
     mixed_precision: str = _knob("no", choices=("no", "fp16", "bf16"))  # accelerate autocast for the trained forward
     allow_tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
@@ -472,12 +472,22 @@ def streaming_model_message(model: DictConfig, algo: str, option: str | None = N
             f"with `python -m flowgrpo.stream --preset {option or 'NAME'} ...`")
 
 
-def _pairing_errors(cfg: DictConfig) -> list[str]:
-    """A streaming model trains with a streaming algorithm, and a streaming algorithm trains a streaming model."""
+def _model_and_algo(cfg: DictConfig) -> tuple[Any, Any] | None:
+    """``(cfg.model, cfg.algo)`` when both are there with a model family and a registered algorithm name (what the
+    streaming checks compare), else None."""
     m, a = cfg.get("model"), cfg.get("algo")
     if m is None or a is None or OmegaConf.is_missing(m, "family") or OmegaConf.is_missing(a, "name") \
             or a.name not in ALGORITHMS:
+        return None
+    return m, a
+
+
+def _pairing_errors(cfg: DictConfig) -> list[str]:
+    """A streaming model trains with a streaming algorithm, and a streaming algorithm trains a streaming model."""
+    pair = _model_and_algo(cfg)
+    if pair is None:
         return []
+    m, a = pair
     streaming_model, streaming_algo = m.family == STREAM_FAMILY, ALGORITHMS[a.name].streaming
     if streaming_model and not streaming_algo:
         return [streaming_model_message(m, a.name)]
@@ -490,10 +500,10 @@ def _pairing_errors(cfg: DictConfig) -> list[str]:
 
 def _stream_checks(cfg: DictConfig, errors: list[str]) -> None:
     """A streaming model trains with a streaming algorithm over its own few-step schedule; and the other way round."""
-    m, s, a = cfg.get("model"), cfg.get("sampler"), cfg.get("algo")
-    if m is None or a is None or OmegaConf.is_missing(m, "family") or OmegaConf.is_missing(a, "name") \
-            or a.name not in ALGORITHMS:
+    pair = _model_and_algo(cfg)
+    if pair is None:
         return
+    (m, a), s = pair, cfg.get("sampler")
     errors.extend(_pairing_errors(cfg))
     if not (m.family == STREAM_FAMILY and ALGORITHMS[a.name].streaming) or s is None or m.get("stream") is None:
         return
