@@ -34,6 +34,7 @@ from samplers import chunked_rollout, stream_sigmas
 from .base import TransformerAccess
 from .causal_wan import CacheState, teacher_forcing_mask
 from .stream_pipeline import StreamingWanPipeline
+from .wan import WanAdapter
 
 __all__ = ["StreamCond", "StreamAdapter", "ForcingRun", "stream_sde_mask"]
 
@@ -164,6 +165,9 @@ class StreamAdapter(TransformerAccess):
     family = "causal_wan"
     is_video = True
     chunked = True  # the trainer integrates chunk by chunk (samplers.chunked_rollout)
+    #: Pixel frames per latent frame after the first: Wan's (:attr:`WanAdapter.temporal_factor`), on the class before a
+    #: model loads; on an adapter, its VAE's.
+    temporal_factor: int = WanAdapter.temporal_factor
 
     def __init__(self, stream: StreamingWanPipeline):
         if stream.config.context_sigma != 0:
@@ -174,6 +178,7 @@ class StreamAdapter(TransformerAccess):
         self.wan = stream.wan
         self.config = stream.config
         self.frames = stream.adapter  # the Wan adapter: text encoding, latent layout, decoding
+        self.temporal_factor = stream.temporal_factor
         self._transformer = None
 
     def __repr__(self) -> str:

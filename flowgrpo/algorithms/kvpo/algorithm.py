@@ -271,12 +271,13 @@ class KVPO(Algorithm):
         start = torch.full((n,), float("nan"))
         end = torch.full((n,), float("nan"))
         branch = torch.tensor([-1.0 if r % G1 == G1 - 1 else float(r % G1) for r in range(n)])
+        t = batch.extras["temporal_factor"]  # the model's pixel frames per latent frame (the rollout recorded it)
         for r in range(n):
             if r % G1 != G1 - 1:
                 plan = batch.extras["routing"][r // G1]
-                # latent frame f holds pixel frames 4f-3 .. 4f (frame 0: pixel 0), Wan's temporal factor 4
-                start[r] = max(0, 4 * plan.fork_frame - 3)
-                end[r] = 4 * (plan.end_frame - 1)
+                # latent frame f holds pixel frames t·f - t + 1 .. t·f (frame 0: pixel 0)
+                start[r] = max(0, t * plan.fork_frame - t + 1)
+                end[r] = t * (plan.end_frame - 1)
         return {"kvpo/pi": pi, "kvpo/routed_from": start, "kvpo/routed_to": end, "kvpo/branch": branch}
 
     def gallery_notes(self, batch: Batch) -> list[list[str]]:

@@ -152,6 +152,7 @@ class BranchedRollout(Rollout):
         fork_rows = torch.tensor([forks[r // G1] for r in range(n)], dtype=torch.long)
         batch.extras = {"x0": x0, "routing": plans, "fork_block": fork_rows,
                         "fork_segment": segments[torch.arange(n), fork_rows],
-                        "fork_cond": [at_fork[f][p] for p, f in enumerate(forks)]}
+                        "fork_cond": [at_fork[f][p] for p, f in enumerate(forks)],
+                        "temporal_factor": adapter.temporal_factor}
         return batch
 
