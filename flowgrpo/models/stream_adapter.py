@@ -304,6 +304,11 @@ class StreamAdapter(TransformerAccess):
         self.wan.cache = cond.cache
         return self.wan(x, timestep, text, frame_offset=offset, module=transformer).float()
 
+    def routed(self, route) -> ContextManager[None]:
+        """A context in which the blocks attend the cached frames ``route(frame_offset, num_frames, cached)`` picks
+        instead of their sink + window (``CausalWan.routed``)."""
+        return self.wan.routed(route)
+
     @torch.no_grad()
     def commit(self, x0: torch.Tensor, cond: StreamCond) -> StreamCond:
         """Write the finished block ``x0`` into the cache; the conditioning of the next block (``cond`` unchanged).

@@ -146,6 +146,7 @@ class BranchedRollout(Rollout):
                 inputs[idx, k], x0[idx, k], log_probs[idx, k] = part.inputs[:, 0], part.x0[:, 0], part.log_probs[:, 0]
                 cond = state[-1]
         batch.latents = torch.cat([inputs, x0[:, :, -1:]], dim=2)
+        batch.final = batch.latents[:, :, -1]
         batch.log_probs = torch.cat([log_probs, torch.zeros_like(log_probs[:, :, :1])], dim=2)
         batch.chunk_conds = None
         batch.nfe = (groups * K + G * sum(K - f for f in forks)) * S
