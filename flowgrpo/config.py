@@ -67,8 +67,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 STREAM_FAMILY = "causal_wan"
 #: families that generate videos (``model.num_frames`` set).
 VIDEO_FAMILIES = ("wan", STREAM_FAMILY)
-#: Wan 2.1's VAE: pixel frame 0 is latent frame 0, then 4 pixel frames per latent frame.
-_WAN_TEMPORAL = 4
 
 # --------------------------------------------------------------------------------------------- model
 
@@ -445,11 +443,14 @@ def _model_checks(m: DictConfig, errors: list[str]) -> None:
         errors.append(f"model.stream.cache_frames={st.cache_frames} must hold the sink and the window "
                       f"(model.stream.sink_frames + window_frames = {st.sink_frames + st.window_frames})")
     if m.num_frames is not None:
-        latent = (m.num_frames - 1) // _WAN_TEMPORAL + 1
-        if (m.num_frames - 1) % _WAN_TEMPORAL or latent % b:
-            errors.append(f"model.num_frames={m.num_frames} must be {_WAN_TEMPORAL}·k + 1 frames whose k + 1 latent "
+        from .models.stream_adapter import StreamAdapter  # the model's own layout (a late import: it loads diffusers)
+
+        t = StreamAdapter.temporal_factor  # pixel frames per latent frame, before a pipeline loads
+        latent = (m.num_frames - 1) // t + 1
+        if (m.num_frames - 1) % t or latent % b:
+            errors.append(f"model.num_frames={m.num_frames} must be {t}·k + 1 frames whose k + 1 latent "
                           f"frames are whole blocks of model.stream.block_frames={b} (e.g. "
-                          f"{_WAN_TEMPORAL * (max(1, round(latent / b)) * b - 1) + 1})")
+                          f"{t * (max(1, round(latent / b)) * b - 1) + 1})")
 
 
 def _model_option() -> str | None:

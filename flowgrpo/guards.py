@@ -18,7 +18,7 @@ writes the checkpoint a stopped or crashed run leaves):
 - **stop requests** — :meth:`Guards._stop_requested` / :meth:`Guards._check_stop`: SIGTERM / SIGINT, agreed on by
   every process, abandon the current phase (``Guards._Abandon``).
 
-What the mixin reads from its trainer: ``cfg``, ``acc``, ``device``, ``world``, ``batch``, ``adapter``, ``chunked``,
+What the mixin reads from its trainer: ``cfg``, ``acc``, ``device``, ``world``, ``batch``, ``adapter``,
 ``algorithm``, ``ckpt``, ``params``, ``optimizer``, ``_stop``, ``_print``; and the counters it keeps:
 ``skipped_updates``, ``_consecutive_skips``, ``_update_guard``, ``_diverged``.
 """
@@ -145,8 +145,7 @@ class Guards:
         an algorithm that records the SDE means) and the decoded samples the reward reads."""
         m, c = self.batch.rollouts_per_process, self.cfg.model
         frames = c.get("num_frames")
-        latent_adapter = self.adapter.frames if self.chunked else self.adapter
-        latent = math.prod(latent_adapter._latent_shape(1, c.height, c.width, frames)[1:])
+        latent = math.prod(self.adapter.frames._latent_shape(1, c.height, c.width, frames)[1:])
         states = (int(self.cfg.sampler.num_steps) + 1) * (2 if self.algorithm.records_means else 1)
         pixels = 3 * c.height * c.width * (frames or 1)
         return 4 * m * (states * latent + pixels)
@@ -199,8 +198,7 @@ class Guards:
         """Samples that are not finite mean the weights that drew them have diverged: stop here, before a reward
         reads NaN pixels, and keep no checkpoint of those weights (``_crash_checkpoint``; one already on disk is
         marked and never resumed from)."""
-        final = batch.latents[:, :, -1] if batch.plan.chunked else batch.latents[:, -1]
-        self._check_finite(final, iteration, "the rollout's samples")
+        self._check_finite(batch.final, iteration, "the rollout's samples")
 
     def _check_finite(self, samples: torch.Tensor, iteration: int, what: str) -> None:
         """``NonFiniteError`` when a row of ``samples`` (final latents, or the decoded images or clips) is not finite,
