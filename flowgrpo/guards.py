@@ -158,7 +158,7 @@ class Guards:
         and 4 samples, and the peak of the tensors alive is extended linearly to the batch (activations grow with
         the batch). None for a streaming model (its forwards carry a cache) or when the adapter cannot run on fake
         tensors (a warning)."""
-        if self.chunked:
+        if self.adapter.num_chunks(self.cfg.model.num_frames) > 1:  # a streaming model: its forwards carry a cache
             return None
         fit = _forward_fit(self)
         if fit is None:
