@@ -15,24 +15,28 @@ from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import atomic_write_text
 from .config import steps_line, validate
-from .runlog import LOG_NAME, close_file_logs, code_version, discard_hydra_dir, log, remove_empty_dirs, run_log
+from .runlog import (LOG_NAME, close_file_logs, code_version, discard_hydra_dir, discard_run_dir, holds_nothing, log,
+                     remove_empty_dirs, run_log)
 
 __all__ = ["main", "resolve_output_dir"]
 
 
 def resolve_output_dir(cfg: DictConfig) -> Path:
-    """``trainer.output_dir`` when set, else Hydra's run dir (``hydra.runtime.output_dir``). Hydra never
+    """``trainer.output_dir`` when set, else Hydra's run dir (``hydra.runtime.output_dir``), created. Hydra never
     changes the working directory here (``hydra.job.chdir=false``), so outputs are written to this path."""
-    if cfg.trainer.output_dir is not None:
-        out = Path(cfg.trainer.output_dir)
-    else:
-        from hydra.core.hydra_config import HydraConfig
-
-        if not HydraConfig.initialized():
-            raise RuntimeError("no Hydra run dir (not started through train.py): set trainer.output_dir=PATH")
-        out = Path(HydraConfig.get().runtime.output_dir)
+    out = _output_path(cfg)
     _make_dir(out)
     return out
+
+
+def _output_path(cfg: DictConfig) -> Path:
+    if cfg.trainer.output_dir is not None:
+        return Path(cfg.trainer.output_dir)
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        raise RuntimeError("no Hydra run dir (not started through train.py): set trainer.output_dir=PATH")
+    return Path(HydraConfig.get().runtime.output_dir)
 
 
 def _make_dir(out: Path) -> None:
@@ -72,17 +76,22 @@ def _adopt_hydra_dir(out: Path, main: bool) -> None:
                       stacklevel=2)
 
 
-def _shared_output_dir(cfg: DictConfig, accelerator) -> Path:
+def _shared_output_dir(cfg: DictConfig, accelerator) -> tuple[Path, bool]:
     """Every process composes its own config and would pick its own timestamped Hydra dir: rank 0 chooses, the
-    others receive its choice."""
+    others receive its choice. Also whether the dir held nothing of a run before (:func:`~flowgrpo.runlog.holds_nothing`:
+    then a failure while the run is set up removes it)."""
     from accelerate.utils import broadcast_object_list
 
-    chosen = [str(resolve_output_dir(cfg)) if accelerator.is_main_process else None]
+    chosen = [None, None]
+    if accelerator.is_main_process:
+        path = _output_path(cfg)
+        chosen = [str(path), holds_nothing(path)]
+        _make_dir(path)
     if accelerator.num_processes > 1:
         broadcast_object_list(chosen, from_process=0)
     out = Path(chosen[0])
     _make_dir(out)
-    return out
+    return out, bool(chosen[1])
 
 
 def plot_curves(history: list[dict], evals: list[dict], path: Path) -> Path | None:
@@ -109,6 +118,7 @@ def plot_curves(history: list[dict], evals: list[dict], path: Path) -> Path | No
 
 def main(cfg: DictConfig) -> dict[str, Any]:
     """Train with ``cfg``; returns the summary (also written to ``summary.json`` in the run dir)."""
+    accelerator = None
     try:
         validate(cfg)
         from accelerate import Accelerator
@@ -117,15 +127,18 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
         accelerator = Accelerator(mixed_precision=cfg.trainer.mixed_precision, cpu=not torch.cuda.is_available())
         check_config(cfg, accelerator.num_processes)  # batch arithmetic, reward ↔ model, sizes: before any run dir
-        out = _shared_output_dir(cfg, accelerator)
+        out, fresh = _shared_output_dir(cfg, accelerator)
     except BaseException:
         discard_hydra_dir()
+        if accelerator is not None:  # the process group too (see the end of this function)
+            accelerator.end_training()
         raise
     from .trainer import Trainer
 
     main_process = accelerator.is_main_process
     _adopt_hydra_dir(out, main_process)
     code = code_version() if main_process else None  # the code as it is when the run starts
+    set_up = False
     try:
         with run_log(out, main=main_process):
             if main_process:
@@ -134,6 +147,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
                     log.info(f"code: commit {code['commit']}{' with uncommitted changes' if code['changes'] else ''}")
                 log.info(steps_line(cfg))  # the steps sampled, and whether they are the model's grid or stated
             trainer = Trainer(cfg, out, accelerator=accelerator)
+            set_up = True
             summary = trainer.fit()
             if main_process:
                 curves = out / "curves.png"
@@ -151,6 +165,10 @@ def main(cfg: DictConfig) -> dict[str, Any]:
                 except OSError as err:
                     raise OSError(err.errno, f"could not write {path}: {err.strerror or err}") from err
                 log.info(f"summary: {path}")
+    except BaseException:
+        if not set_up and fresh and main_process:  # a set-up failure (a prompt file, the model, memory): no half run
+            discard_run_dir(out)                  # dir is left behind; the error itself is on the console
+        raise
     finally:
         # a process that exits with its process group alive can abort in the backend's teardown (gloo: SIGABRT,
         # "terminate called without an active exception"), turning a finished run into a failed launch

@@ -67,8 +67,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 STREAM_FAMILY = "causal_wan"
 #: families that generate videos (``model.num_frames`` set).
 VIDEO_FAMILIES = ("wan", STREAM_FAMILY)
-#: Wan 2.1's VAE: pixel frame 0 is latent frame 0, then 4 pixel frames per latent frame.
-_WAN_TEMPORAL = 4
 
 # --------------------------------------------------------------------------------------------- model
 
@@ -279,7 +277,7 @@ class TrainerConfig:
     warmup_updates: int = _knob(0, ge=0)  # linear warm-up of the learning rate
     max_grad_norm: Optional[float] = _knob(1.0, gt=0)  # clip the gradient norm; null = no clipping
     max_skipped_updates: int = _knob(3, ge=1)  # stop after this many updates in a row skipped (non-finite, or diverged)
-    max_update_ratio: Optional[float] = _knob(1.0, gt=0)  # a LoRA update of more than this x the weights' norm: rolled back, skipped
+    max_update_ratio: Optional[float] = _knob(1.0, gt=0)  # an update of more than this x the trained weights' norm: rolled back, skipped
     ema: EMAConfig = field(default_factory=EMAConfig)  # EMA of trainable weights
     mixed_precision: str = _knob("no", choices=("no", "fp16", "bf16"))  # accelerate autocast for the trained forward
     allow_tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
@@ -445,11 +443,14 @@ def _model_checks(m: DictConfig, errors: list[str]) -> None:
         errors.append(f"model.stream.cache_frames={st.cache_frames} must hold the sink and the window "
                       f"(model.stream.sink_frames + window_frames = {st.sink_frames + st.window_frames})")
     if m.num_frames is not None:
-        latent = (m.num_frames - 1) // _WAN_TEMPORAL + 1
-        if (m.num_frames - 1) % _WAN_TEMPORAL or latent % b:
-            errors.append(f"model.num_frames={m.num_frames} must be {_WAN_TEMPORAL}·k + 1 frames whose k + 1 latent "
+        from .models.stream_adapter import StreamAdapter  # the model's own layout (a late import: it loads diffusers)
+
+        t = StreamAdapter.temporal_factor  # pixel frames per latent frame, before a pipeline loads
+        latent = (m.num_frames - 1) // t + 1
+        if (m.num_frames - 1) % t or latent % b:
+            errors.append(f"model.num_frames={m.num_frames} must be {t}·k + 1 frames whose k + 1 latent "
                           f"frames are whole blocks of model.stream.block_frames={b} (e.g. "
-                          f"{_WAN_TEMPORAL * (max(1, round(latent / b)) * b - 1) + 1})")
+                          f"{t * (max(1, round(latent / b)) * b - 1) + 1})")
 
 
 def _model_option() -> str | None:
@@ -472,12 +473,22 @@ def streaming_model_message(model: DictConfig, algo: str, option: str | None = N
             f"with `python -m flowgrpo.stream --preset {option or 'NAME'} ...`")
 
 
-def _pairing_errors(cfg: DictConfig) -> list[str]:
-    """A streaming model trains with a streaming algorithm, and a streaming algorithm trains a streaming model."""
+def _model_and_algo(cfg: DictConfig) -> tuple[Any, Any] | None:
+    """``(cfg.model, cfg.algo)`` when both are there with a model family and a registered algorithm name (what the
+    streaming checks compare), else None."""
     m, a = cfg.get("model"), cfg.get("algo")
     if m is None or a is None or OmegaConf.is_missing(m, "family") or OmegaConf.is_missing(a, "name") \
             or a.name not in ALGORITHMS:
+        return None
+    return m, a
+
+
+def _pairing_errors(cfg: DictConfig) -> list[str]:
+    """A streaming model trains with a streaming algorithm, and a streaming algorithm trains a streaming model."""
+    pair = _model_and_algo(cfg)
+    if pair is None:
         return []
+    m, a = pair
     streaming_model, streaming_algo = m.family == STREAM_FAMILY, ALGORITHMS[a.name].streaming
     if streaming_model and not streaming_algo:
         return [streaming_model_message(m, a.name)]
@@ -490,10 +501,10 @@ def _pairing_errors(cfg: DictConfig) -> list[str]:
 
 def _stream_checks(cfg: DictConfig, errors: list[str]) -> None:
     """A streaming model trains with a streaming algorithm over its own few-step schedule; and the other way round."""
-    m, s, a = cfg.get("model"), cfg.get("sampler"), cfg.get("algo")
-    if m is None or a is None or OmegaConf.is_missing(m, "family") or OmegaConf.is_missing(a, "name") \
-            or a.name not in ALGORITHMS:
+    pair = _model_and_algo(cfg)
+    if pair is None:
         return
+    (m, a), s = pair, cfg.get("sampler")
     errors.extend(_pairing_errors(cfg))
     if not (m.family == STREAM_FAMILY and ALGORITHMS[a.name].streaming) or s is None or m.get("stream") is None:
         return

@@ -72,19 +72,13 @@ class TrainerContext(UpdateContext):
                              "model.finetune?)")
         return [saved[n].to(device=p.device, dtype=p.dtype) for n, p in zip(names, t.params)]
 
-    def _stream(self):
-        adapter = self._trainer.adapter
-        if not getattr(adapter, "chunked", False):
-            raise TypeError(f"{type(adapter).__name__} is not a streaming model (model.family=causal_wan)")
-        return adapter
-
     @torch.no_grad()
     def commit(self, x0, cond):
-        return self._stream().commit(x0, cond)
+        return self._trainer.adapter.commit(x0, cond)
 
     def routed(self, route):
-        return self._stream().wan.routed(route)
+        return self._trainer.adapter.routed(route)
 
     def teacher_forced_velocity(self, clean, noisy, sigma, cond):
         with self._trainer.acc.autocast():
-            return self._stream().teacher_forced_velocity(clean, noisy, sigma, cond, transformer=self._module)
+            return self._trainer.adapter.teacher_forced_velocity(clean, noisy, sigma, cond, transformer=self._module)

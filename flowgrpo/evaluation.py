@@ -13,10 +13,10 @@ The protocol, in full:
   starts from the noise drawn by :func:`eval_generator` ``(trainer.eval_seed, i, j)`` — a stream of its own,
   independent of the training seed, so every run is judged on the same images, whatever the batching, the
   number of processes or the prompts a caller keeps.
-- **how** (:func:`generate`): the deterministic Euler ODE (``samplers.rollout`` without an SDE step) over the
-  held-out schedule (``Sampler.eval_sigmas``: ``sampler.eval_num_steps`` steps of the model scheduler's grid, or of
-  ``sampler.shift``'s when set), classifier-free guidance as the model config says (``model.guidance_scale``,
-  ``model.negative_prompt``), batched. A streaming model samples each stream with its own re-noising sampler
+- **how** (:func:`generate`, the adapter's ``generate``): the deterministic Euler ODE (``samplers.rollout``
+  without an SDE step) over the held-out schedule (``Sampler.eval_sigmas``: ``sampler.eval_num_steps`` steps of the
+  model scheduler's grid, or of ``sampler.shift``'s when set), classifier-free guidance as the model config says
+  (``model.guidance_scale``, ``model.negative_prompt``), batched. A streaming model samples each stream with its own re-noising sampler
   instead (``cps`` at noise level 1, block by block), its re-noise draws from the sample's generator too.
 - **scored and summarised** (:func:`score_jobs`, :class:`EvalSamples`): by the run's reward; the mean over
   samples of the reward and of each component, and for each GenEval reward (bare or inside ``reward=multi``)
@@ -37,7 +37,6 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 
 from rewards import geneval_prefixes, geneval_summary
-from samplers import rollout
 
 from .build import PromptSet, tag_rows
 from .seeding import EVAL_STREAM, seeded_generator
@@ -114,10 +113,10 @@ def generate(
     autocast: Callable[[], ContextManager] = nullcontext,
     metadata: list[dict] | None = None,
 ) -> torch.Tensor:
-    """Images ``[B, 3, H, W]`` in [0, 1] from the deterministic Euler ODE with CFG, one sample per generator. A
-    streaming model (an adapter with ``chunked``) samples each stream with its own few-step sampler instead
-    (``StreamAdapter.generate``: its re-noise draws come from the sample's generator too), its segment prompts
-    from ``metadata``.
+    """Images ``[B, 3, H, W]`` in [0, 1] from the deterministic Euler ODE with CFG, one sample per generator: the
+    adapter's own held-out sampler (``adapter.generate``). A streaming model samples each stream with its own
+    few-step sampler instead (``StreamAdapter.generate``: its re-noise draws come from the sample's generator too),
+    its segment prompts from ``metadata``.
 
     Args:
         adapter: a :class:`flowgrpo.models.FlowAdapter`.
@@ -127,20 +126,7 @@ def generate(
         model_kw: :func:`flowgrpo.build.model_kwargs` of the model node (size, guidance, negative prompt, T5 length).
         autocast: a context-manager factory around each velocity (the trainer's ``accelerator.autocast``).
     """
-    if getattr(adapter, "chunked", False):
-        return adapter.generate(prompts, metadata, generators, sigmas=sigmas, model_kw=model_kw, autocast=autocast)
-    guidance = model_kw["guidance"]
-    extra = {k: v for k, v in guidance.items() if k != "guidance_scale"}
-    cond = adapter.encode_prompts(prompts, model_kw["negative_prompt"], guidance_scale=guidance["guidance_scale"],
-                                  max_sequence_length=model_kw["max_sequence_length"], **extra)
-    noise = adapter.prepare_noise(len(prompts), generator=generators, **model_kw["size"])
-
-    def velocity(x, sigma):
-        with autocast():
-            return adapter.velocity(x, sigma, cond, **guidance)
-
-    trajectory = rollout(velocity, noise, sigmas, torch.zeros(sigmas.shape[0] - 1, dtype=torch.bool))
-    return adapter.decode(trajectory.final).float().clamp(0, 1)
+    return adapter.generate(prompts, metadata, generators, sigmas=sigmas, model_kw=model_kw, autocast=autocast)
 
 
 @dataclass

@@ -3,8 +3,9 @@
 :class:`Guards` is a mixin of :class:`~flowgrpo.trainer.Trainer`, beside :class:`~flowgrpo.run_state.RunState` (which
 writes the checkpoint a stopped or crashed run leaves):
 
-- **memory** — :meth:`Guards._check_rollout_memory`: a batch whose trajectories (:meth:`Guards.rollout_bytes`) cannot
-  fit is refused before the first rollout, naming the keys that set it.
+- **memory** — :meth:`Guards._check_rollout_memory`: a batch whose trajectories (:meth:`Guards.rollout_bytes`) and
+  largest forward (:meth:`Guards.forward_bytes`) cannot fit is refused before the first rollout, naming the keys that
+  set it.
 - **non-finite samples** — :meth:`Guards._check_finite_rollout` / :meth:`Guards._check_finite`: samples that are not
   finite stop the run (:class:`NonFiniteError`) before a reward reads them, and mark the weights that drew them as
   diverged (never checkpointed).
@@ -17,7 +18,7 @@ writes the checkpoint a stopped or crashed run leaves):
 - **stop requests** — :meth:`Guards._stop_requested` / :meth:`Guards._check_stop`: SIGTERM / SIGINT, agreed on by
   every process, abandon the current phase (``Guards._Abandon``).
 
-What the mixin reads from its trainer: ``cfg``, ``acc``, ``device``, ``world``, ``batch``, ``adapter``, ``chunked``,
+What the mixin reads from its trainer: ``cfg``, ``acc``, ``device``, ``world``, ``batch``, ``adapter``,
 ``algorithm``, ``ckpt``, ``params``, ``optimizer``, ``_stop``, ``_print``; and the counters it keeps:
 ``skipped_updates``, ``_consecutive_skips``, ``_update_guard``, ``_diverged``.
 """
@@ -69,6 +70,72 @@ def degenerate_flags(samples: torch.Tensor, max_side: int = 128) -> torch.Tensor
     return torch.tensor([flag is not None for flag in flags], dtype=torch.float32)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of a sharded (FSDP's ``DTensor``) tensor, or the tensor itself; under ``no_grad`` it is the
+    tensor the ``DTensor`` holds, so writing into it writes the shard."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _inner(optimizer):
+    """The torch optimizer under accelerate's wrapper (whose ``state`` it owns)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+#: forward fits already measured, by model set-up (the tests build many trainers of one model)
+_FORWARD_FITS: dict[str, tuple | None] = {}
+
+
+def forward_peaks(trainer, n: int) -> tuple[int, int]:
+    """Bytes of the tensors alive at the peak of ``trainer``'s rollout velocity call (with its guidance and autocast)
+    and of its decode, each on ``n`` samples, run on fake tensors: shapes and dtypes, no memory (ops whose inputs are
+    all real, the text conditioning's, run for real: a few small tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .planner import MemoryTracker
+
+    c, adapter, guidance = trainer.cfg.model, trainer.adapter, trainer.model_kw["guidance"]
+    cond = trainer._encode([""]).repeat_interleave(n)
+
+    def velocity(x):
+        with trainer.acc.autocast():
+            adapter.velocity(x, torch.full((n,), 0.5, device=x.device), cond, **guidance)
+
+    peaks = []
+    for fn in (velocity, adapter.decode):
+        tracker = MemoryTracker()
+        tracker.small_real = 65536  # the few values code reads back (shapes, schedules) stay real
+        # no random draw reaches the run's generators (what small factories make is real)
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True), tracker:
+            fn(torch.zeros(adapter._latent_shape(n, c.height, c.width, c.get("num_frames")), device=trainer.device))
+        peaks.append(tracker.peak)
+    return peaks[0], peaks[1]
+
+
+def _forward_fit(trainer) -> tuple | None:
+    """``((fixed, per sample) of a rollout velocity call, (fixed, per sample) of a decode)`` in bytes, from
+    :func:`forward_peaks` at 2 and 4 samples, after a first call at 1 that is not counted (what a model does once,
+    on its first call, is not a cost of every call: the adapter puts its VAE in channels-last memory on its first
+    decode); None (and a warning) when the adapter cannot run on fake tensors."""
+    import json
+    import warnings
+
+    from omegaconf import OmegaConf
+
+    key = json.dumps([OmegaConf.to_container(trainer.cfg.model, resolve=True),
+                      str(trainer.cfg.trainer.mixed_precision), str(trainer.device)], sort_keys=True, default=str)
+    if key not in _FORWARD_FITS:
+        try:
+            forward_peaks(trainer, 1)
+            two, four = forward_peaks(trainer, 2), forward_peaks(trainer, 4)
+            _FORWARD_FITS[key] = tuple((max(2 * a - b, 0), max((b - a) // 2, 0)) for a, b in zip(two, four))
+        except Exception as err:  # an adapter whose forward reads values back: the check counts the stored rollouts
+            warnings.warn(f"the rollout memory check could not measure the model's forward on fake tensors "
+                          f"({type(err).__name__}: {err}); it counts the stored rollouts only", RuntimeWarning,
+                          stacklevel=3)
+            _FORWARD_FITS[key] = None
+    return _FORWARD_FITS[key]
+
+
 class Guards:
     """Memory, finiteness, divergence and stop-request checks of a :class:`~flowgrpo.trainer.Trainer` (a mixin: see
     the module's docstring for what it reads)."""
@@ -78,38 +145,60 @@ class Guards:
         an algorithm that records the SDE means) and the decoded samples the reward reads."""
         m, c = self.batch.rollouts_per_process, self.cfg.model
         frames = c.get("num_frames")
-        latent_adapter = self.adapter.frames if self.chunked else self.adapter
-        latent = math.prod(latent_adapter._latent_shape(1, c.height, c.width, frames)[1:])
+        latent = math.prod(self.adapter.frames._latent_shape(1, c.height, c.width, frames)[1:])
         states = (int(self.cfg.sampler.num_steps) + 1) * (2 if self.algorithm.records_means else 1)
         pixels = 3 * c.height * c.width * (frames or 1)
         return 4 * m * (states * latent + pixels)
 
+    def forward_bytes(self) -> int | None:
+        """The largest forward of one iteration on one process, besides the weights: a rollout forward of
+        ``trainer.rollout_batch_size`` samples (per process; with guidance, as the rollout calls it) or the decode of
+        every rollout the score phase runs at once, whichever is larger. Measured, not guessed: the adapter's own
+        velocity call and decode run on fake tensors (shapes, no memory; only the text conditioning computes) at 2
+        and 4 samples, and the peak of the tensors alive is extended linearly to the batch (activations grow with
+        the batch). None for a streaming model (its forwards carry a cache) or when the adapter cannot run on fake
+        tensors (a warning)."""
+        if self.adapter.num_chunks(self.cfg.model.num_frames) > 1:  # a streaming model: its forwards carry a cache
+            return None
+        fit = _forward_fit(self)
+        if fit is None:
+            return None
+        (v0, v1), (d0, d1) = fit
+        chunk, m = self.batch.rollout_batch_per_process, self.batch.rollouts_per_process
+        return int(max(v0 + v1 * chunk, d0 + d1 * m))
+
     def _check_rollout_memory(self, available: int | None = None) -> None:
-        """Refuse, before the first rollout, a batch whose trajectories cannot fit: more than 80% of the memory
-        left on the device (host RAM on a CPU), with the numbers and the keys that set them."""
+        """Refuse, before the first rollout, a batch that cannot fit: its trajectories and decoded samples
+        (:meth:`rollout_bytes`) plus its largest forward (:meth:`forward_bytes`) over 80% of the memory left on the
+        device (host RAM on a CPU), with the numbers and the keys that set them."""
         if available is None:
             available = available_memory(self.device)
         if available is None:
             return
-        need = self.rollout_bytes()
+        kept, forward = self.rollout_bytes(), self.forward_bytes()
+        need = kept + (forward or 0)
         if need <= 0.8 * available:
             return
         t = self.cfg.trainer
         gib = 2 ** 30
+        largest = ("" if forward is None else
+                   f", and its largest forward takes {forward / gib:.1f} GiB more (a rollout forward of "
+                   f"{self.batch.rollout_batch_per_process} samples, trainer.rollout_batch_size="
+                   f"{t.rollout_batch_size}, or decoding the {self.batch.rollouts_per_process} samples)")
         raise MemoryError(
-            f"one iteration's rollouts keep {need / gib:.1f} GiB on each process ({self.batch.rollouts_per_process} "
+            f"one iteration's rollouts keep {kept / gib:.1f} GiB on each process ({self.batch.rollouts_per_process} "
             f"samples = trainer.prompts_per_iteration={t.prompts_per_iteration} x trainer.group_size={t.group_size}"
             f"{f' / {self.world} processes' if self.world > 1 else ''}, {int(self.cfg.sampler.num_steps) + 1} states "
-            f"each at sampler.num_steps={self.cfg.sampler.num_steps}, plus the decoded samples), but only "
-            f"{available / gib:.1f} GiB is available on {self.device}. Lower trainer.group_size or "
-            "trainer.prompts_per_iteration, or use more processes.")
+            f"each at sampler.num_steps={self.cfg.sampler.num_steps}, plus the decoded samples){largest}: "
+            f"{need / gib:.1f} GiB, but only {available / gib:.1f} GiB is available on {self.device}. Lower "
+            "trainer.group_size or trainer.prompts_per_iteration (or trainer.rollout_batch_size, for the rollout "
+            "forward), or use more processes.")
 
     def _check_finite_rollout(self, batch: Batch, iteration: int) -> None:
         """Samples that are not finite mean the weights that drew them have diverged: stop here, before a reward
         reads NaN pixels, and keep no checkpoint of those weights (``_crash_checkpoint``; one already on disk is
         marked and never resumed from)."""
-        final = batch.latents[:, :, -1] if batch.plan.chunked else batch.latents[:, -1]
-        self._check_finite(final, iteration, "the rollout's samples")
+        self._check_finite(batch.final, iteration, "the rollout's samples")
 
     def _check_finite(self, samples: torch.Tensor, iteration: int, what: str) -> None:
         """``NonFiniteError`` when a row of ``samples`` (final latents, or the decoded images or clips) is not finite,
@@ -179,32 +268,56 @@ class Guards:
                 "check the reward and the data, or raise trainer.max_skipped_updates.")
 
     def _pre_step_copy(self) -> dict | None:
-        """What an optimizer step may have to be undone to: copies of the trained LoRA weights and the optimizer
-        state (small), when ``trainer.max_update_ratio`` is set. Full fine-tuning (a copy would cost the model's size
-        again) and FSDP (sharded weights) run without the check."""
-        if self._update_guard is None:  # LoRA on one process or under DDP (replicated weights)
-            t = self.cfg.trainer
-            self._update_guard = (t.max_update_ratio is not None and self.cfg.model.finetune == "lora"
-                                  and not gathers_state(self.acc))
+        """What an optimizer step may have to be undone to, when ``trainer.max_update_ratio`` is set: copies of the
+        trained weights and of the optimizer state. LoRA keeps them on the device (they are small); full
+        fine-tuning on the host (the model's size and the optimizer's moments again: host memory instead of the
+        GPU's, at the price of a device-to-host copy per update). Under FSDP each process copies its own shards."""
+        if self._update_guard is None:
+            self._update_guard = self.cfg.trainer.max_update_ratio is not None
         if not self._update_guard:
             return None
-        return {"params": [p.detach().clone() for p in self.params],
-                "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+        host = self.cfg.model.finetune != "lora"
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            t = _local(t).detach()
+            return t.to("cpu", copy=True) if host else t.clone()
+
+        with torch.no_grad():
+            return {"norm2": sum(_local(p).detach().double().pow(2).sum().to(self.device) for p in self.params),
+                    "params": [keep(p) for p in self.params],
+                    "optimizer": {p: {k: keep(v) if torch.is_tensor(v) else copy.deepcopy(v) for k, v in s.items()}
+                                  for p, s in _inner(self.optimizer).state.items()}}
 
     def _undo_if_diverged(self, before: dict | None) -> float | None:
         """None when the step stays; else the ratio ``||Δθ|| / ||θ||`` of the step just taken, which exceeded
-        ``trainer.max_update_ratio`` or is not finite, after putting the weights and the optimizer back."""
+        ``trainer.max_update_ratio`` or is not finite, after putting the weights and the optimizer back. Sharded
+        (FSDP) weights: the squared norms of every process's shards are summed, so all processes agree."""
         if before is None:
             return None
         with torch.no_grad():
-            old = torch.sqrt(sum(c.double().pow(2).sum() for c in before["params"]))
-            moved = torch.sqrt(sum((p.detach().double() - c.double()).pow(2).sum()
-                                   for p, c in zip(self.params, before["params"])))
+            norms = torch.stack([
+                before["norm2"],
+                sum((_local(p).detach().double() - c.to(_local(p).device).double()).pow(2).sum().to(self.device)
+                    for p, c in zip(self.params, before["params"]))])
+            if gathers_state(self.acc):
+                norms = self.acc.reduce(norms, reduction="sum")
+            old, moved = torch.sqrt(norms)
             ratio = float(moved / old.clamp_min(1e-12))
         if math.isfinite(ratio) and ratio <= self.cfg.trainer.max_update_ratio:
             return None
         with torch.no_grad():
             for p, c in zip(self.params, before["params"]):
-                p.copy_(c)
-        self.optimizer.load_state_dict(before["optimizer"])
+                _local(p).copy_(c)
+            state = _inner(self.optimizer).state
+            for p in [p for p in state if p not in before["optimizer"]]:
+                del state[p]  # state the undone step created (its first): gone, as before it
+            for p, saved in before["optimizer"].items():
+                live = state[p]
+                for k in [k for k in live if k not in saved]:
+                    del live[k]
+                for k, v in saved.items():
+                    if torch.is_tensor(v) and torch.is_tensor(live.get(k)):
+                        _local(live[k]).copy_(v)
+                    else:
+                        live[k] = v
         return ratio if math.isfinite(ratio) else float("inf")

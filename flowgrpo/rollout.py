@@ -1,20 +1,21 @@
 """Phase 2 of the loop, the rollout: sample a batch's trajectories for its plan.
 
-A :class:`Rollout` is called as ``rollout(batch, iteration)``: it fills ``batch.latents``, ``batch.log_probs`` and
-``batch.nfe`` (and, where its options or its kind say so, ``batch.means``, ``batch.chunk_conds`` and
-``batch.extras``) with no gradient, and returns the batch. The trainer calls it inside the algorithm's sampling
-policy (:meth:`~flowgrpo.algorithms.Algorithm.sampling_policy`), so a rollout never chooses its weights.
+A :class:`Rollout` is called as ``rollout(batch, iteration)``: it fills ``batch.latents``, ``batch.log_probs``,
+``batch.final`` (each row's clean sample, or its clean chunks) and ``batch.nfe`` (and, where its options or its kind
+say so, ``batch.means``, ``batch.chunk_conds`` and ``batch.extras``) with no gradient, and returns the batch. The
+trainer calls it inside the algorithm's sampling policy (:meth:`~flowgrpo.algorithms.Algorithm.sampling_policy`), so
+a rollout never chooses its weights.
 
 Which rollout runs is the algorithm's choice (:meth:`~flowgrpo.algorithms.Algorithm.make_rollout`):
 
 - :class:`PlanRollout`, the default, integrates the plan as it stands: ``plan.sde_mask``'s steps on the plan's
   kernel, the others with its ODE solver, rows batched in chunks of the rollout batch size. Its options are what an
   algorithm declares: ``shared_noise`` (one initial noise per group, whose deterministic prefix is then integrated
-  once per prompt) and ``record_means`` (each SDE step's mean, for GRPO-Guard's ratio). A plan with
-  ``tail_ratio < 1`` (Flash-GRPO) ends every row on its own compressed tail. A streaming model's plan (a chunk
-  axis) is integrated block by block.
-- an algorithm that samples in a way of its own returns a :class:`Rollout` subclass of its own (KVPO's routed
-  branches: :class:`~flowgrpo.algorithms.kvpo.BranchedRollout`).
+  once per prompt) and ``record_means`` (each SDE step's mean, for a ratio that reads it). A plan with
+  ``tail_ratio < 1`` ends every row on its own compressed tail. A streaming model's plan (a chunk axis) is
+  integrated block by block.
+- an algorithm that samples in a way of its own returns a :class:`Rollout` subclass of its own (routed branches of
+  a stream, for one).
 
 Every rollout reaches the model through a :class:`SamplingModel` (the adapter with the run's guidance, noise size
 and autocast) and draws from generators keyed by ``(trainer.seed, stream, iteration, global index)``
@@ -168,8 +169,8 @@ class PlanRollout(Rollout):
             if start:
                 self._next_chunk()  # a stop request is honoured between chunks, not after the whole batch
             rows = torch.arange(start, min(start + chunk, n))
-            # each row on its grid: the plan's, or with a compressed tail (Flash-GRPO) the plan's up to one after
-            # its last SDE step, then its own tail; every step is one batched call over the rows still running
+            # each row on its grid: the plan's, or with a compressed tail the plan's up to one after its last SDE
+            # step, then its own tail; every step is one batched call over the rows still running
             grids = [plan.sigmas if last is None else plan.row_sigmas(int(last[r])) for r in rows.tolist()]
             masks = [plan.sde_mask[r, : g.shape[0] - 1] for r, g in zip(rows.tolist(), grids)]
             # a group's ODE prefix once per chunk, by its first row in the chunk
@@ -194,6 +195,7 @@ class PlanRollout(Rollout):
                     if record:
                         means[r, : l + 1] = traj.means[j, : l + 1]
         batch.latents, batch.log_probs, batch.means, batch.nfe = latents, log_probs, means, nfe
+        batch.final = latents[:, -1]
         return batch
 
     def _sample_chunked(self, batch: "Batch", noise: torch.Tensor, sde_gens: list[torch.Generator]) -> "Batch":
@@ -218,6 +220,7 @@ class PlanRollout(Rollout):
             conds.append(traj.conds)
             nfe += traj.nfe * len(rows)
         batch.latents, batch.log_probs, batch.nfe = torch.cat(latents), torch.cat(log_probs), nfe
+        batch.final = batch.latents[:, :, -1]
         batch.chunk_conds = [conds[0][c] if len(conds) == 1 else type(conds[0][c]).cat([part[c] for part in conds])
                              for c in range(plan.num_chunks)]
         return batch

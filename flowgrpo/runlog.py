@@ -186,6 +186,27 @@ def remove_empty_dirs(start: Path) -> None:
         d.rmdir()
 
 
+def holds_nothing(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds nothing of a run: it is missing, empty, or holds only what Hydra makes before the
+    run starts (``.hydra/`` and an empty log)."""
+    if not run_dir.is_dir():
+        return True
+    log_file = run_dir / LOG_NAME
+    return not any(p.name != ".hydra" and not (p == log_file and p.stat().st_size == 0) for p in run_dir.iterdir())
+
+
+def discard_run_dir(run_dir: Path) -> None:
+    """Remove a run dir this run made (with its empty parents, up to the working directory) when the run failed
+    while it was being set up: an empty or half-made run dir would otherwise look like a run (``trainer.resume=auto``
+    searches them) and a timestamped Hydra dir would stay under ``outputs/``."""
+    close_file_logs(run_dir)
+    try:
+        shutil.rmtree(run_dir)
+        remove_empty_dirs(run_dir.parent)
+    except OSError as err:
+        warnings.warn(f"could not remove the run dir {run_dir}: {err.strerror or err}", RuntimeWarning, stacklevel=2)
+
+
 def discard_hydra_dir() -> None:
     """A run that fails before it has a run dir of its own (a bad config — schema, ranges, batch arithmetic, reward ↔
     model, image or clip size — or an output dir that cannot be made) leaves no trace of Hydra's: its timestamped dir
@@ -198,8 +219,7 @@ def discard_hydra_dir() -> None:
     close_file_logs(hydra_dir)
     if not hydra_dir.is_dir():
         return
-    log_file = hydra_dir / LOG_NAME
-    if any(p.name != ".hydra" and not (p == log_file and p.stat().st_size == 0) for p in hydra_dir.iterdir()):
+    if not holds_nothing(hydra_dir):
         return  # something of the user's is there
     try:
         shutil.rmtree(hydra_dir)

@@ -93,9 +93,8 @@ class Trainer(RunState, HeldOut, Guards):
 
         # Sampler schedules and the algorithm (it decides the trained steps per sample, K).
         self.sampler = build_sampler(cfg.sampler, adapter=self.adapter, model=cfg.model)
-        # a streaming model (flowgrpo.models.StreamAdapter) generates block by block: the plans get a chunk axis
-        self.chunked = bool(getattr(self.adapter, "chunked", False))
-        chunks = self.adapter.num_chunks(cfg.model.num_frames) if self.chunked else 1
+        # the chunks a sample is generated in (an image or a clip: one; a streaming model's video: its blocks)
+        chunks = self.adapter.num_chunks(cfg.model.num_frames)
         self.algorithm = build_algorithm(cfg.algo, cfg.sampler, self.sampler.sigmas, chunks=chunks)
         self.batch = batch_plan(cfg, self.world, trained_steps=self.algorithm.trained_steps())
         self._check_rollout_memory()
@@ -195,8 +194,8 @@ class Trainer(RunState, HeldOut, Guards):
     def _encode(self, prompts: list[str], metadata: list[dict] | None = None):
         g = self.model_kw["guidance"]
         kwargs = {k: v for k, v in g.items() if k != "guidance_scale"}
-        if self.chunked:  # a stream's conditioning: its segment prompts and where they switch (the metadata)
-            kwargs.update(metadata=metadata, num_frames=self.cfg.model.num_frames)
+        # a stream's conditioning is its segment prompts and where they switch (the metadata); one chunk's, the prompt
+        kwargs.update(metadata=metadata, num_frames=self.cfg.model.num_frames)
         with torch.no_grad():
             return self.adapter.encode_prompts(prompts, self.model_kw["negative_prompt"],
                                                guidance_scale=g["guidance_scale"],
@@ -314,7 +313,7 @@ class Trainer(RunState, HeldOut, Guards):
     def rollout(self, batch: Batch, iteration: int, *, trained_weights: bool = False) -> Batch:
         """Sample the batch's trajectories with the algorithm's rollout (``self.rollout_engine``, a
         :class:`~flowgrpo.rollout.Rollout`) and the weights the algorithm samples from (``Algorithm.sampling_policy``:
-        the trained ones for the GRPO family; an old policy for KVPO and DiffusionNFT), or with ``trained_weights``
+        the trained ones, or an old policy of the algorithm's own), or with ``trained_weights``
         the weights being trained whatever the algorithm samples with (what a diagnostic of an update's effect
         re-rolls)."""
         self.policy.iteration, self.policy.epoch = iteration, 0
@@ -324,8 +323,7 @@ class Trainer(RunState, HeldOut, Guards):
     # ------------------------------------------------------------------ 3. score
     @torch.no_grad()
     def score(self, batch: Batch) -> Batch:
-        final = self.adapter.join_chunks(batch.latents[:, :, -1]) if batch.plan.chunked else batch.latents[:, -1]
-        decoded = self.adapter.decode(final).float()
+        decoded = self.adapter.decode(self.adapter.join_chunks(batch.final)).float()
         # finite latents can still decode to NaN or inf (weights that blew the latents up without making them
         # infinite): caught here, before the reward reads them (clamping would hide an inf)
         self._check_finite(decoded, self.iteration, "the decoded samples")

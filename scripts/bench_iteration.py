@@ -156,23 +156,26 @@ def scoped(overrides: list[str], recipe: list[str]) -> list[str]:
 
 #: on an embedded model every row samples the model's own grid, whatever its sampler option states (sampler=mix_sde:
 #: 25): the CPU rows compare the algorithms at the step count of that world, as its experiment presets do
-MODEL_GRID = ["sampler.num_steps=${model.num_steps}", "sampler.eval_num_steps=${model.eval_num_steps}"]
+MODEL_GRID = {"sampler.num_steps": "${model.num_steps}", "sampler.eval_num_steps": "${model.eval_num_steps}"}
 
 
 def compose(overrides: list[str]):
     """``python train.py``'s config with ``overrides``; on an embedded model (``model.pretrained`` under assets/) with
-    :data:`MODEL_GRID` too, unless the overrides set the steps themselves."""
+    :data:`MODEL_GRID` too, unless the overrides set the steps themselves (composed once: which model it is is only
+    known after composing, and the grid is then set as those overrides would set it)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
 
     import flowgrpo.config  # noqa: F401
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = hydra_compose("train", overrides=overrides)
-        steps = any(o.startswith(("sampler.num_steps=", "sampler.eval_num_steps=")) for o in overrides)
-        if str(cfg.model.pretrained).startswith("assets/") and not steps:
-            cfg = hydra_compose("train", overrides=[*overrides, *MODEL_GRID])
-        return cfg
+    steps = any(o.startswith(tuple(f"{key}=" for key in MODEL_GRID)) for o in overrides)
+    if str(cfg.model.pretrained).startswith("assets/") and not steps:
+        for key, value in MODEL_GRID.items():
+            OmegaConf.update(cfg, key, value)
+    return cfg
 
 
 def scratch_trainer(overrides: list[str], prefix: str):

@@ -405,6 +405,41 @@ def save_pipeline(pipe, out: Path, summary: dict) -> None:
     print(f"[pretrain] saved {out} at step {summary.get('step', '?')} ({size:.1f} MB)", flush=True)
 
 
+def train_loop(trainer) -> None:
+    """The stages loop of the tiny pretraining scripts (this one and ``pretrain_tiny_wan.py``), from ``trainer.step``
+    to ``trainer.total``: each step runs ``trainer.train_step(trainer.stage())`` (its metrics, ``loss`` first);
+    after the last VAE step ``trainer.end_of_vae()`` (the latent statistics); a log line every ``--log-every``
+    steps; a checkpoint every ``--ckpt-every`` steps and at ``trainer.checkpoint_steps()``; then
+    ``trainer.after_step()``; at ``--stop-at`` it stops (with a checkpoint), at the end ``trainer.export()``. A
+    resume loads the state and calls it again: the run continues bit for bit."""
+    args = trainer.args
+    window, t0, s0 = [], time.time(), trainer.step
+    while trainer.step < trainer.total:
+        stage = trainer.stage()
+        metrics = trainer.train_step(stage)
+        trainer.step += 1
+        window.append(metrics["loss"])
+        if trainer.step == args.vae_steps:
+            trainer.end_of_vae()
+        if trainer.step % args.log_every == 0 or trainer.step == trainer.total:
+            rate = (trainer.step - s0) / (time.time() - t0)
+            entry = {"step": trainer.step, "stage": stage, "loss": float(np.mean(window)),
+                     **{k: round(v, 5) for k, v in metrics.items() if k != "loss"}}
+            trainer.log.append(entry)
+            eta = (trainer.total - trainer.step) / max(rate, 1e-9) / 60
+            print(f"[pretrain] {stage} step {trainer.step}/{trainer.total} loss {entry['loss']:.4f} "
+                  f"{json.dumps({k: v for k, v in entry.items() if k not in ('step', 'stage', 'loss')})} "
+                  f"{rate:.2f} it/s eta {eta:.1f} min", flush=True)  # fmt: skip
+            window = []
+        if trainer.step % args.ckpt_every == 0 or trainer.step in trainer.checkpoint_steps():
+            trainer.save_checkpoint()
+        trainer.after_step()
+        if trainer.step == args.stop_at:
+            print(f"[pretrain] stopped at step {trainer.step} (--stop-at); continue with --resume", flush=True)
+            return
+    trainer.export()
+
+
 class Trainer:
     def __init__(self, args):
         self.args = args
@@ -427,12 +462,6 @@ class Trainer:
     @property
     def total(self) -> int:
         return self.args.vae_steps + self.args.flow_steps + self.args.omit_steps
-
-    def stage(self) -> str:
-        args = self.args
-        if self.step < args.vae_steps:
-            return "vae"
-        return "flow" if self.step < args.vae_steps + args.flow_steps else "omit"
 
     # -- checkpoint
     def state_dict(self) -> dict:
@@ -533,40 +562,35 @@ class Trainer:
             torch._foreach_lerp_(self.ema, [p.detach() for p in self.flow_params], 1.0 - decay)
         return {"loss": loss.item(), "grad": grad.item()}
 
-    # -- loop
-    def run(self) -> None:
+    # -- loop (train_loop's hooks)
+    def stage(self) -> str:
         args = self.args
+        if self.step < args.vae_steps:
+            return "vae"
+        return "flow" if self.step < args.vae_steps + args.flow_steps else "omit"
+
+    def train_step(self, stage: str) -> dict:
+        if stage == "vae":
+            self.vae.train()
+            return self.vae_step()
+        self.vae.eval()
+        return self.flow_step(omit=stage == "omit")
+
+    def end_of_vae(self) -> None:
+        self.vae.eval()
+        self.set_latent_factors()
+
+    def checkpoint_steps(self) -> tuple[int, ...]:
+        args = self.args
+        return (args.vae_steps, args.vae_steps + args.flow_steps, self.total, args.stop_at)
+
+    def after_step(self) -> None:
+        pass
+
+    def run(self) -> None:
         for m in (self.vae, *self.flow_modules):
             m.train()
-        window, t0, s0 = [], time.time(), self.step
-        while self.step < self.total:
-            stage = self.stage()
-            if stage == "vae":
-                self.vae.train()
-                metrics = self.vae_step()
-            else:
-                self.vae.eval()
-                metrics = self.flow_step(omit=stage == "omit")
-            self.step += 1
-            window.append(metrics["loss"])
-            if self.step == args.vae_steps:
-                self.vae.eval()
-                self.set_latent_factors()
-            if self.step % args.log_every == 0 or self.step == self.total:
-                rate = (self.step - s0) / (time.time() - t0)
-                entry = {"step": self.step, "stage": stage, "loss": float(np.mean(window)), **{k: round(v, 5) for k, v in metrics.items() if k != "loss"}}
-                self.log.append(entry)
-                eta = (self.total - self.step) / max(rate, 1e-9) / 60
-                print(f"[pretrain] {stage} step {self.step}/{self.total} loss {entry['loss']:.4f} "
-                      f"{json.dumps({k: v for k, v in entry.items() if k not in ('step', 'stage', 'loss')})} "
-                      f"{rate:.2f} it/s eta {eta:.1f} min", flush=True)  # fmt: skip
-                window = []
-            if self.step % args.ckpt_every == 0 or self.step in (args.vae_steps, args.vae_steps + args.flow_steps, self.total, args.stop_at):
-                self.save_checkpoint()
-            if self.step == args.stop_at:
-                print(f"[pretrain] stopped at step {self.step} (--stop-at); continue with --resume", flush=True)
-                return
-        self.export()
+        train_loop(self)
 
     def final_pipeline(self) -> StableDiffusion3Pipeline:
         """The pipeline with EMA weights, in eval mode, on CPU (the training weights are left untouched)."""

@@ -65,7 +65,6 @@ import json
 import math
 import random
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -76,7 +75,8 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pretrain_tiny import bank_batch, ema_pipeline, lr_at, sample_sigmas, save_pipeline, save_state  # noqa: E402  (shared with the image asset)
+from pretrain_tiny import (bank_batch, ema_pipeline, lr_at, sample_sigmas, save_pipeline, save_state,  # noqa: E402
+                           train_loop)  # (shared with the image asset)
 
 from flowgrpo.world import (  # noqa: E402
     CLASSES,
@@ -492,37 +492,30 @@ class Trainer:
         return {"step": self.step, "clips": len(metas), "reconstruction_strict": round(float(ours.scores.mean()), 3),
                 "rendered_strict": round(float(truth.scores.mean()), 3), **checks}  # fmt: skip
 
-    def run(self) -> None:
+    # -- loop (pretrain_tiny.train_loop's hooks)
+    def stage(self) -> str:
+        return "vae" if self.step < self.args.vae_steps else "flow"
+
+    def train_step(self, stage: str) -> dict:
+        self.vae.train(stage == "vae")
+        for m in self.flow_modules:
+            m.train(stage == "flow")
+        return self.vae_step() if stage == "vae" else self.flow_step()
+
+    def end_of_vae(self) -> None:
+        self.vae.eval()
+        self.set_latent_stats()
+
+    def checkpoint_steps(self) -> tuple[int, ...]:
+        return (self.args.vae_steps, self.total, self.args.stop_at)
+
+    def after_step(self) -> None:
         args = self.args
-        window, t0, s0 = [], time.time(), self.step
-        while self.step < self.total:
-            stage = "vae" if self.step < args.vae_steps else "flow"
-            self.vae.train(stage == "vae")
-            for m in self.flow_modules:
-                m.train(stage == "flow")
-            metrics = self.vae_step() if stage == "vae" else self.flow_step()
-            self.step += 1
-            window.append(metrics["loss"])
-            if self.step == args.vae_steps:
-                self.vae.eval()
-                self.set_latent_stats()
-            if self.step % args.log_every == 0 or self.step == self.total:
-                rate = (self.step - s0) / (time.time() - t0)
-                entry = {"step": self.step, "stage": stage, "loss": float(np.mean(window))}
-                entry |= {k: round(v, 5) for k, v in metrics.items() if k != "loss"}
-                self.log.append(entry)
-                print(f"[pretrain] {stage} step {self.step}/{self.total} loss {entry['loss']:.4f} "
-                      f"{json.dumps({k: v for k, v in entry.items() if k not in ('step', 'stage', 'loss')})} "
-                      f"{rate:.2f} it/s eta {(self.total - self.step) / max(rate, 1e-9) / 60:.1f} min", flush=True)  # fmt: skip
-                window = []
-            if self.step % args.ckpt_every == 0 or self.step in (args.vae_steps, self.total, args.stop_at):
-                self.save_checkpoint()
-            if args.export_every and self.step > args.vae_steps and self.step % args.export_every == 0:
-                self.export()
-            if self.step == args.stop_at:
-                print(f"[pretrain] stopped at step {self.step} (--stop-at); continue with --resume", flush=True)
-                return
-        self.export()
+        if args.export_every and self.step > args.vae_steps and self.step % args.export_every == 0:
+            self.export()
+
+    def run(self) -> None:
+        train_loop(self)
 
     def final_pipeline(self) -> WanPipeline:
         """The pipeline with the EMA weights, eval mode, on CPU (training weights untouched)."""

@@ -220,6 +220,25 @@ def test_ppo_loss_rejects_mismatched_shapes():
         ppo_clip_loss(x, x, x, clip_range=0.1, weights=torch.ones(2))
 
 
+def test_velocity_kl_is_beta_times_the_mean_squared_velocity_gap_with_its_gradient():
+    """The likelihood-free algorithms' regression to the reference: ``loss + β·mean‖v − v_ref‖²`` (mean over every
+    element of every sample, logged detached under its key), with gradient ``2β(v − v_ref)/N`` on ``v`` only."""
+    from flowgrpo.algorithms.losses import add_velocity_kl
+
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(4, 3, 2, 2, generator=g).requires_grad_()
+    v_ref = torch.randn(4, 3, 2, 2, generator=g)
+    info: dict = {}
+    loss = add_velocity_kl(torch.tensor(1.5), info, v, v_ref, 0.3)
+    by_hand = ((v.detach() - v_ref) ** 2).sum() / v.numel()
+    torch.testing.assert_close(loss, 1.5 + 0.3 * by_hand)
+    torch.testing.assert_close(info["kl"], by_hand)
+    assert not info["kl"].requires_grad
+    (grad,) = torch.autograd.grad(loss, v)
+    torch.testing.assert_close(grad, 2 * 0.3 * (v.detach() - v_ref) / v.numel())
+    assert list(add_velocity_kl(torch.tensor(0.0), info, v, v, 1.0, key="ema_kl").shape) == [] and info["ema_kl"] == 0
+
+
 def test_reduce_log_prob_sum_and_mean():
     s = torch.tensor([-640.0, 64.0])
     assert torch.equal(reduce_log_prob(s, 64, "sum"), s)

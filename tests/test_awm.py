@@ -5,7 +5,6 @@ iteration on the tiny twin."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
@@ -13,9 +12,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import flowgrpo.config  # noqa: F401  (registers the schemas)
-from flowgrpo.algorithms import ALGORITHMS, Batch, UpdateContext
+from flowgrpo.algorithms import ALGORITHMS, Batch
 from flowgrpo.algorithms.awm import AWM, awm_weight, ema_decay, stratified_levels
 from samplers import flow_sigmas
+from doubles import Cond, ToyContext  # tests/doubles.py
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 SIGMAS = flow_sigmas(10)
@@ -25,45 +25,11 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-class Toy(UpdateContext):
-    """``v_θ(x, σ) = θ + a·x`` with a trainable per-channel ``θ``; the reference ``a·x``; generators keyed like the
-    trainer's."""
-
-    def __init__(self, dim: int = 3, a: float = 0.5, seed: int = 0):
-        self.theta = torch.nn.Parameter(torch.randn(dim, generator=gen(seed)))
-        self.params = [self.theta]
-        self.a = a
-        self.updates = 0
-        self._ref = False
-
-    def velocity(self, x, sigma, cond):
-        return (0 if self._ref else self.theta.view(1, -1, 1, 1)) + self.a * x
-
-    @contextlib.contextmanager
-    def reference(self):
-        self._ref = True
-        try:
-            yield
-        finally:
-            self._ref = False
-
-    def generator(self, *keys):
-        seed = 23
-        for k in keys:
-            seed = seed * 1_000_003 + int(k) + 1
-        return gen(seed % (2**63 - 1))
-
-
-class _Cond:
-    def __getitem__(self, rows):
-        return self
-
-
 def make_batch(algo: AWM, rewards: torch.Tensor, G: int, dim: int = 3) -> Batch:
     n = rewards.shape[0]
     plan = algo.plan(n // G, G, generator=gen(1))
     latents = torch.randn(n, plan.num_steps + 1, dim, 2, 2, generator=gen(2))
-    batch = Batch(prompts=["p"] * n, metadata=None, global_rows=torch.arange(n), cond=_Cond(), plan=plan,
+    batch = Batch(prompts=["p"] * n, metadata=None, global_rows=torch.arange(n), cond=Cond(), plan=plan,
                   latents=latents, log_probs=torch.zeros(n, plan.num_steps))
     batch.advantages = algo.advantages(rewards, G)
     return batch
@@ -107,13 +73,13 @@ def test_uniform_weighting_with_zero_sum_advantages_has_a_gradient_independent_o
     steps = batch.plan.train_mask.to(torch.uint8).argmax(1)
     grads = []
     for seed in (0, 1):
-        ctx = Toy(seed=seed)
+        ctx = ToyContext(seed=seed)
         loss, info = algo.loss(ctx, batch, rows, steps)
         loss.backward()
         grads.append(ctx.theta.grad.clone())
         assert loss.item() == pytest.approx(-float(algo.policy_advantages(batch.advantages).mean()), abs=1e-6)
     torch.testing.assert_close(grads[0], grads[1])
-    ctx = Toy(seed=0)  # and it is not identically zero
+    ctx = ToyContext(seed=0)  # and it is not identically zero
     algo.loss(ctx, batch, rows, steps)[0].backward()
     assert ctx.theta.grad.abs().max() > 1e-3
 
@@ -121,7 +87,7 @@ def test_uniform_weighting_with_zero_sum_advantages_has_a_gradient_independent_o
 def test_loss_on_a_constructed_batch_equals_the_formula_by_hand():
     G, dim = 3, 3
     algo = AWM(SIGMAS, kl_beta=0.2, ema_kl_beta=0.7)
-    ctx = Toy(dim)
+    ctx = ToyContext(dim)
     rewards = torch.tensor([0.0, 1.0, 3.0, 2.0, 2.0, 5.0])
     batch = make_batch(algo, rewards, G, dim)
     ctx.updates = 100  # d = 0.1
@@ -156,7 +122,7 @@ def test_loss_on_a_constructed_batch_equals_the_formula_by_hand():
 def test_ema_schedule_moves_after_each_iteration_and_resumes():
     assert [ema_decay(u, 0.3) for u in (0, 100, 299, 10_000)] == [0.0, pytest.approx(0.1), pytest.approx(0.299), 0.3]
     algo = AWM(SIGMAS)
-    ctx = Toy()
+    ctx = ToyContext()
     start = ctx.theta.detach().clone()
     algo.end_iteration(ctx)  # u = 0: d = 0, the EMA is θ
     with torch.no_grad():

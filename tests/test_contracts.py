@@ -178,3 +178,20 @@ def test_the_reference_policy_is_a_context_of_the_update(tmp_path):
         base = trainer.adapter.velocity(x, 0.5, batch.cond, **trainer.model_kw["guidance"])
         trainer.unwrapped.enable_adapters()
     assert torch.equal(live, again) and torch.equal(ref, base) and not torch.allclose(live, ref)
+
+
+def test_the_shared_toy_context_states_every_member_of_the_update_context():
+    """The algorithm tests' double (tests/doubles.py) lists every member the real ``UpdateContext`` has, and
+    implements the ones it says it offers: a member added to the interface, or one dropped, fails here until the
+    double states it."""
+    from doubles import CONTRACT, ToyContext
+
+    real = {n for n in vars(UpdateContext) if not n.startswith("_")} | set(UpdateContext.__annotations__)
+    assert set(CONTRACT) == real, (f"UpdateContext has {sorted(real - set(CONTRACT))} the double does not state, and "
+                                   f"the double states {sorted(set(CONTRACT) - real)} it no longer has")
+    ctx = ToyContext()
+    for name, offered in CONTRACT.items():
+        if name in UpdateContext.__annotations__:
+            assert hasattr(ctx, name) == offered, name
+        else:
+            assert (getattr(ToyContext, name) is not getattr(UpdateContext, name)) == offered, name

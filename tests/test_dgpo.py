@@ -4,7 +4,6 @@ hand (one noise per group); the trainer keeps groups whole at one step; one trai
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
@@ -12,9 +11,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import flowgrpo.config  # noqa: F401  (registers the schemas)
-from flowgrpo.algorithms import ALGORITHMS, Batch, UpdateContext
+from flowgrpo.algorithms import ALGORITHMS, Batch
 from flowgrpo.algorithms.dgpo import DGPO, dgpo_policy_loss, dsm_clip_mask
 from samplers import flow_sigmas
+from doubles import Cond, ToyContext  # tests/doubles.py
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 SIGMAS = flow_sigmas(10)
@@ -53,44 +53,11 @@ def test_dsm_clip_stops_the_gradient_in_the_advantage_direction_only():
     assert not dsm_clip_mask(loss, old, adv, 0.5).any()
 
 
-class Toy(UpdateContext):
-    """``v_θ(x, σ) = θ + 0.5·x`` with a trainable per-channel ``θ``; reference ``0.5·x``; generators keyed like the
-    trainer's."""
-
-    def __init__(self, seed: int = 0):
-        self.theta = torch.nn.Parameter(torch.randn(3, generator=gen(seed)))
-        self.params = [self.theta]
-        self.updates = 0
-        self._ref = False
-
-    def velocity(self, x, sigma, cond):
-        return (0 if self._ref else self.theta.view(1, -1, 1, 1)) + 0.5 * x
-
-    @contextlib.contextmanager
-    def reference(self):
-        self._ref = True
-        try:
-            yield
-        finally:
-            self._ref = False
-
-    def generator(self, *keys):
-        seed = 31
-        for k in keys:
-            seed = seed * 1_000_003 + int(k) + 1
-        return gen(seed % (2**63 - 1))
-
-
-class _Cond:
-    def __getitem__(self, rows):
-        return self
-
-
 def make_batch(algo: DGPO, rewards: torch.Tensor, G: int) -> Batch:
     n = rewards.shape[0]
     plan = algo.plan(n // G, G, generator=gen(1))
     latents = torch.randn(n, plan.num_steps + 1, 3, 2, 2, generator=gen(2))
-    batch = Batch(prompts=["p"] * n, metadata=None, global_rows=torch.arange(n), cond=_Cond(), plan=plan,
+    batch = Batch(prompts=["p"] * n, metadata=None, global_rows=torch.arange(n), cond=Cond(), plan=plan,
                   latents=latents, log_probs=torch.zeros(n, plan.num_steps))
     batch.advantages = algo.advantages(rewards, G)
     return batch
@@ -109,7 +76,7 @@ def test_plan_trains_the_same_high_noise_levels_for_the_batch():
 def test_loss_on_a_constructed_batch_equals_the_formula_by_hand():
     G = 3
     algo = DGPO(SIGMAS, beta_dpo=20.0, kl_beta=0.3, clip_dsm=False)
-    ctx = Toy()
+    ctx = ToyContext(salt=31)
     rewards = torch.tensor([0.0, 1.0, 3.0, 2.0, 2.5, 5.0])
     batch = make_batch(algo, rewards, G)
     rows = torch.arange(6)
@@ -141,7 +108,7 @@ def test_loss_on_a_constructed_batch_equals_the_formula_by_hand():
 
 def test_the_slow_copy_follows_every_update_and_resumes():
     algo = DGPO(SIGMAS)
-    ctx = Toy()
+    ctx = ToyContext(salt=31)
     batch = make_batch(algo, torch.tensor([0.0, 1.0, 3.0, 2.0]), 2)
     rows, steps = torch.arange(4), torch.stack([batch.plan.train_mask[0].nonzero().flatten()[0]] * 4)
     algo.loss(ctx, batch, rows, steps)  # the copy starts at θ

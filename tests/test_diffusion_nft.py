@@ -4,7 +4,6 @@ and one real trainer iteration on the tiny twin."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
@@ -12,60 +11,20 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import flowgrpo.config  # noqa: F401  (registers the schemas)
-from flowgrpo.algorithms import ALGORITHMS, Batch, UpdateContext
+from flowgrpo.algorithms import ALGORITHMS, Batch
 from flowgrpo.algorithms.diffusion_nft import DiffusionNFT, old_policy_decay, optimality_probability
 from samplers import flow_sigmas
+from doubles import Cond, ToyContext  # tests/doubles.py
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 SIGMAS = flow_sigmas(10)
-
-
-class Toy(UpdateContext):
-    """A velocity with one trainable parameter vector: ``v_θ(x, σ) = θ + a·x`` (``a`` fixed), the reference
-    ``θ_ref + a·x``; generators keyed by ``(seed, keys)`` as the trainer's."""
-
-    def __init__(self, dim: int, a: float = 0.0, seed: int = 0):
-        self.theta = torch.nn.Parameter(torch.randn(dim, generator=torch.Generator().manual_seed(seed)))
-        self.params = [self.theta]
-        self.ref = torch.zeros(dim)
-        self.a = a
-        self.updates = 0
-        self._in_ref = False
-
-    def velocity(self, x, sigma, cond):
-        base = self.ref if self._in_ref else self.theta
-        return base.view(1, -1, 1, 1) + self.a * x
-
-    @contextlib.contextmanager
-    def reference(self):
-        self._in_ref = True
-        try:
-            yield
-        finally:
-            self._in_ref = False
-
-    def generator(self, *keys):
-        seed = 17
-        for k in keys:
-            seed = seed * 1_000_003 + int(k) + 1
-        return torch.Generator().manual_seed(seed % (2**63 - 1))
-
-
-class _Cond:
-    """Conditioning the toy velocity ignores; indexable by rows as an adapter's."""
-
-    def __init__(self, n):
-        self.n = n
-
-    def __getitem__(self, rows):
-        return _Cond(len(rows))
 
 
 def make_batch(algo: DiffusionNFT, rewards: torch.Tensor, G: int, dim: int = 3) -> Batch:
     n = rewards.shape[0]
     plan = algo.plan(n // G, G, generator=torch.Generator().manual_seed(1))
     latents = torch.randn(n, plan.num_steps + 1, dim, 2, 2, generator=torch.Generator().manual_seed(2))
-    batch = Batch(prompts=["p"] * n, metadata=None, global_rows=torch.arange(n), cond=_Cond(n), plan=plan,
+    batch = Batch(prompts=["p"] * n, metadata=None, global_rows=torch.arange(n), cond=Cond(n), plan=plan,
                   latents=latents, log_probs=torch.zeros(n, plan.num_steps))
     batch.advantages = algo.advantages(rewards, G)
     return batch
@@ -94,7 +53,7 @@ def test_optimality_probability_and_decay_schedules():
 def test_loss_on_a_constructed_batch_equals_the_formula_by_hand(space):
     G, dim = 3, 3
     algo = DiffusionNFT(SIGMAS, loss_space=space, beta=0.3, kl_beta=0.2)
-    ctx = Toy(dim, a=0.5)
+    ctx = ToyContext(dim, a=0.5, salt=17)
     rewards = torch.tensor([0.0, 1.0, 3.0, 2.0, 2.0, 5.0])
     batch = make_batch(algo, rewards, G, dim)
     algo.end_iteration(ctx)  # θ_old = θ at update 0 ...
@@ -131,7 +90,7 @@ def test_minimising_the_flow_matching_loss_reaches_the_closed_form_optimum():
     ``v_old + mean[(2r−1)(v − v_old)] / β`` with ``v = ε − x₀`` of each (sample, noise level)."""
     G, dim, beta = 4, 3, 0.5
     algo = DiffusionNFT(SIGMAS, loss_space="v", beta=beta, kl_beta=0.0)
-    ctx = Toy(dim)
+    ctx = ToyContext(dim, a=0.0, salt=17)
     rewards = torch.tensor([0.0, 1.0, 3.0, 2.0, 2.0, 5.0, 1.0, 1.5])
     batch = make_batch(algo, rewards, G, dim)
     algo.end_iteration(ctx)
@@ -158,7 +117,7 @@ def test_minimising_the_flow_matching_loss_reaches_the_closed_form_optimum():
 @pytest.mark.parametrize("space", ["x0", "v"])
 def test_an_all_equal_reward_group_gives_zero_advantage_and_zero_gradient(space):
     algo = DiffusionNFT(SIGMAS, loss_space=space)
-    ctx = Toy(3, a=0.5)
+    ctx = ToyContext(3, a=0.5, salt=17)
     batch = make_batch(algo, torch.full((4,), 0.7), 4)
     assert batch.advantages.abs().max() == 0
     algo.end_iteration(ctx)  # θ_old = θ
@@ -173,7 +132,7 @@ def test_an_all_equal_reward_group_gives_zero_advantage_and_zero_gradient(space)
 def test_first_step_gradient_is_advantage_weighted_flow_matching():
     """At ``θ = θ_old`` the v-space gradient per term is ``2(2r−1)(v_old − v)`` (times the loss's scale)."""
     algo = DiffusionNFT(SIGMAS, loss_space="v", kl_beta=0.0)
-    ctx = Toy(3)
+    ctx = ToyContext(3, a=0.0, salt=17)
     batch = make_batch(algo, torch.tensor([0.0, 1.0, 4.0, 2.0]), 4)
     algo.end_iteration(ctx)
     rows, steps = batch.plan.trained_transitions()
@@ -189,7 +148,7 @@ def test_first_step_gradient_is_advantage_weighted_flow_matching():
 
 def test_old_policy_samples_decays_and_resumes():
     algo = DiffusionNFT(SIGMAS, decay_type=1)
-    ctx = Toy(3)
+    ctx = ToyContext(3, a=0.0, salt=17)
     start = ctx.theta.detach().clone()
     with algo.sampling_policy(ctx):
         assert torch.equal(ctx.theta.detach(), start)  # θ_old = θ at the start

@@ -70,6 +70,31 @@ def test_an_update_that_blows_the_weights_up_is_rolled_back_and_the_run_stops_wi
         assert all(torch.equal(a, b) for a, b in zip(saved.values(), start))
 
 
+def test_a_full_fine_tuning_update_that_blows_the_weights_up_is_rolled_back_too(tmp_path):
+    """The same guard with model.finetune=full (its copy kept on the host): every weight of the transformer is
+    trained, lr 1e6 blows them up, each step is undone (weights and Adam moments), counted, and the run stops after
+    trainer.max_skipped_updates naming the last good checkpoint; no checkpoint holds diverged weights."""
+    from diffusers import SD3Transformer2DModel
+
+    trainer = make(tmp_path, "model.finetune=full", "trainer.iterations=4", "trainer.lr=1e6",
+                   "trainer.max_skipped_updates=2")
+    start = {n: p.detach().clone() for n, p in trainer.unwrapped.named_parameters()}
+    assert len(trainer.params) == len(start)  # every transformer weight is trained
+    with pytest.raises(NonFiniteError, match=r"2 optimizer updates in a row.*times their norm.*rolled back") as info:
+        trainer.fit()
+    assert trainer._update_guard is True and trainer.skipped_updates == 2 and trainer.updates == 0
+    assert any("checkpoint-000001" in note for note in info.value.__notes__)  # the last good one, named
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["resume_from"].endswith("checkpoint-000001") and summary["error"]["iteration"] == 2
+    for n, p in trainer.unwrapped.named_parameters():
+        assert torch.equal(start[n], p.detach()), n
+    assert all(not s for s in trainer.optimizer.state.values())
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    assert [s for s, _ in manager.checkpoints()] == [1]
+    saved = SD3Transformer2DModel.from_pretrained(manager.path(1) / "transformer")
+    assert all(torch.equal(p, start[n]) for n, p in saved.named_parameters())
+
+
 def test_a_rollout_that_is_not_finite_stops_the_run_and_no_checkpoint_of_those_weights_is_resumed(tmp_path):
     """The weights after iteration 2 draw NaN samples in iteration 3 (as a diverged model does): the run stops there
     with NonFiniteError before any reward reads them, writes no crash checkpoint, marks iteration 2's checkpoint
@@ -162,9 +187,11 @@ def test_a_blow_up_is_rolled_back_on_the_video_and_streaming_worlds_too(tmp_path
 
 
 def test_an_ordinary_update_is_not_taken_for_a_divergence(tmp_path):
-    trainer = make(tmp_path, "trainer.iterations=2")
-    trainer.fit()
-    assert trainer.skipped_updates == 0 and trainer.updates > 0 and trainer._update_guard is True
+    # LoRA at the tests' learning rate, full fine-tuning at one of its own (1e-4: published full fine-tunes use 1e-5)
+    for finetune, lr in (("lora", 3e-2), ("full", 1e-4)):
+        trainer = make(tmp_path / finetune, "trainer.iterations=2", f"model.finetune={finetune}", f"trainer.lr={lr}")
+        trainer.fit()
+        assert trainer.skipped_updates == 0 and trainer.updates > 0 and trainer._update_guard is True, finetune
 
 
 def test_repeated_non_finite_updates_stop_the_run_with_finite_weights_and_checkpoints(tmp_path):

@@ -5,7 +5,6 @@ run's checkpoint and the cold start, in the trainer."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
@@ -13,9 +12,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import flowgrpo.config  # noqa: F401  (registers the schemas)
-from flowgrpo.algorithms import ALGORITHMS, Batch, UpdateContext
+from flowgrpo.algorithms import ALGORITHMS, Batch
 from flowgrpo.algorithms.flow_opd import FlowOPD
 from samplers import flow_sigmas, ragged_rollout, sde_step
+from doubles import Cond, ToyContext  # tests/doubles.py
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 SIGMAS = flow_sigmas(10)
@@ -25,44 +25,14 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-class Toy(UpdateContext):
-    """``v_θ(x, σ) = θ + 0.5·x`` (per-channel ``θ``); reference ``0.5·x``; stored weights by path."""
-
-    def __init__(self, stored: dict[str, torch.Tensor], seed: int = 0):
-        self.theta = torch.nn.Parameter(torch.randn(3, generator=gen(seed)))
-        self.params = [self.theta]
-        self.stored = stored
-        self.updates = 0
-        self._ref = False
-
-    def velocity(self, x, sigma, cond):
-        return (0 if self._ref else self.theta.view(1, -1, 1, 1)) + 0.5 * x
-
-    @contextlib.contextmanager
-    def reference(self):
-        self._ref = True
-        try:
-            yield
-        finally:
-            self._ref = False
-
-    def stored_weights(self, path):
-        return [self.stored[path].clone()]
-
-
-class _Cond:
-    def __getitem__(self, rows):
-        return self
-
-
-def rolled(algo: FlowOPD, ctx: Toy, metadata=None) -> Batch:
+def rolled(algo: FlowOPD, ctx: ToyContext, metadata=None) -> Batch:
     plan = algo.plan(2, 2, generator=gen(4))
     noise = torch.randn(4, 3, 2, 2, generator=gen(5))
     with torch.no_grad():
         traj = ragged_rollout(lambda x, s, rows: ctx.velocity(x, s, None), noise, [plan.sigmas] * 4,
                               list(plan.sde_mask), kernel=plan.kernel, noise_level=plan.noise_level,
                               generator=[gen(10 + r) for r in range(4)])
-    batch = Batch(prompts=["p"] * 4, metadata=metadata, global_rows=torch.arange(4), cond=_Cond(), plan=plan,
+    batch = Batch(prompts=["p"] * 4, metadata=metadata, global_rows=torch.arange(4), cond=Cond(), plan=plan,
                   latents=traj.latents, log_probs=traj.log_probs)
     batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
     return batch
@@ -74,7 +44,7 @@ def first_steps(batch):
 
 def test_reward_is_minus_the_exact_gaussian_kl_and_zero_when_the_student_is_the_teacher(tmp_path):
     teacher = torch.tensor([0.3, -0.2, 0.1])
-    ctx = Toy({"t": teacher})
+    ctx = ToyContext(stored={"t": teacher})
     algo = FlowOPD(SIGMAS, teachers={"t": "t"}, mar_beta=0.0, cold_start=False, kl_reward="exact")
     batch = rolled(algo, ctx)
     rows, steps = torch.arange(4), first_steps(batch)
@@ -102,7 +72,7 @@ def test_detaching_the_reward_leaves_the_policy_gradient_and_attaching_adds_the_
     teacher = torch.tensor([0.3, -0.2, 0.1])
     grads = {}
     for detach in (True, False):
-        ctx = Toy({"t": teacher})
+        ctx = ToyContext(stored={"t": teacher})
         algo = FlowOPD(SIGMAS, teachers={"t": "t"}, mar_beta=0.0, cold_start=False, kl_reward="exact",
                        detach_kl=detach)
         batch = rolled(algo, ctx)
@@ -111,7 +81,7 @@ def test_detaching_the_reward_leaves_the_policy_gradient_and_attaching_adds_the_
         loss.backward()
         grads[detach] = ctx.theta.grad.clone()
     # by hand at θ_old (ρ = 1): −mean(A·∇log π) and the KL's gradient
-    ctx = Toy({"t": teacher})
+    ctx = ToyContext(stored={"t": teacher})
     x = batch.latents[rows, steps]
     s, s_next = SIGMAS[steps], SIGMAS[steps + 1]
     out = sde_step(ctx.velocity(x, None, None), x, s, s_next, prev_sample=batch.latents[rows, steps + 1])
@@ -125,7 +95,7 @@ def test_detaching_the_reward_leaves_the_policy_gradient_and_attaching_adds_the_
     torch.testing.assert_close(grads[False], g_pg + g_kl, rtol=1e-4, atol=1e-7)  # −kl_scale·∇KL, kl_scale = −1
 
 
-def _one_state_many_steps(algo: FlowOPD, ctx: Toy, n: int):
+def _one_state_many_steps(algo: FlowOPD, ctx: ToyContext, n: int):
     """``n`` rows in the same state ``x`` at the first trained step, each with its own step ``x' ~ π_θ(·|x)``
     (the old policy is the current one: ρ = 1)."""
     plan = algo.plan(n // 2, 2, generator=gen(4))
@@ -136,7 +106,7 @@ def _one_state_many_steps(algo: FlowOPD, ctx: Toy, n: int):
     with torch.no_grad():
         out = sde_step(ctx.velocity(x, None, None), x, SIGMAS[k], SIGMAS[k + 1], generator=gen(7))
     latents[:, k], latents[:, k + 1], log_probs[:, k] = x, out.prev_sample, out.log_prob
-    batch = Batch(prompts=["p"] * n, metadata=None, global_rows=torch.arange(n), cond=_Cond(), plan=plan,
+    batch = Batch(prompts=["p"] * n, metadata=None, global_rows=torch.arange(n), cond=Cond(), plan=plan,
                   latents=latents, log_probs=log_probs)
     batch.advantages = torch.zeros(n)
     return batch, torch.arange(n), torch.full((n,), k)
@@ -150,7 +120,7 @@ def test_the_sampled_reward_has_the_kl_gradient_in_expectation_and_the_detached_
     n = 20000
     grads = {}
     for reward, detach in (("sampled", True), ("exact", True), ("exact", False)):
-        ctx = Toy({"t": teacher})
+        ctx = ToyContext(stored={"t": teacher})
         algo = FlowOPD(SIGMAS, teachers={"t": "t"}, mar_beta=0.0, cold_start=False, kl_reward=reward,
                        detach_kl=detach, adv_clip=1e6)
         batch, rows, steps = _one_state_many_steps(algo, ctx, n)
@@ -162,7 +132,7 @@ def test_the_sampled_reward_has_the_kl_gradient_in_expectation_and_the_detached_
     torch.testing.assert_close(grads["sampled", True], pull, rtol=0.05, atol=0.05 * pull.norm().item())
     assert grads["exact", True].norm() < 0.05 * pull.norm()  # zero up to Monte Carlo noise
     # the sampled reward averages to the KL itself
-    ctx = Toy({"t": teacher})
+    ctx = ToyContext(stored={"t": teacher})
     algo = FlowOPD(SIGMAS, teachers={"t": "t"}, mar_beta=0.0, cold_start=False, adv_clip=1e6)
     batch, rows, steps = _one_state_many_steps(algo, ctx, n)
     x = batch.latents[rows, steps]
@@ -190,7 +160,7 @@ def test_routing_alternates_per_iteration_or_follows_the_metadata():
     fresh.load_state_dict(algo.state_dict())
     assert fresh.plan(1, 2).info["teacher"] == "a" and fresh.schedule == ["a", "b"]  # position 4 of a, a, b
     meta = FlowOPD(SIGMAS, teachers={"a": "a", "b": "b"}, routing="metadata")
-    ctx = Toy({"a": torch.zeros(3), "b": torch.ones(3)})
+    ctx = ToyContext(stored={"a": torch.zeros(3), "b": torch.ones(3)})
     batch = rolled(meta, ctx, metadata=[{"task": t} for t in "abba"])
     assert meta.teacher_of(batch, torch.arange(4)) == ["a", "b", "b", "a"]
     batch.metadata[2] = {"task": "c"}

@@ -4,7 +4,6 @@ zero-mean where the plain one is biased by −mean(d²)/(2s²); with the 1/|Δσ
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
@@ -12,9 +11,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import flowgrpo.config  # noqa: F401  (registers the schemas)
-from flowgrpo.algorithms import ALGORITHMS, Batch, UpdateContext
+from flowgrpo.algorithms import ALGORITHMS, Batch
 from flowgrpo.algorithms.grpo_guard import GRPOGuard, normalized_log_ratio
 from samplers import flow_sigmas, ragged_rollout, sde_step
+from doubles import Cond, ToyContext  # tests/doubles.py
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 SIGMAS = flow_sigmas(10)
@@ -69,32 +69,7 @@ def test_plain_log_ratio_is_biased_left_and_the_normalised_one_is_centred():
     assert abs(hat.mean()) < 4 * se_hat
 
 
-class Toy(UpdateContext):
-    """``v_θ(x, σ) = θ + 0.5·x`` with a trainable per-channel ``θ``; reference ``0.5·x``."""
-
-    def __init__(self, channels: int = 3):
-        self.theta = torch.nn.Parameter(torch.randn(channels, generator=gen(9)))
-        self.params = [self.theta]
-        self._ref = False
-
-    def velocity(self, x, sigma, cond):
-        return (0 if self._ref else self.theta.view(1, -1, 1, 1)) + 0.5 * x
-
-    @contextlib.contextmanager
-    def reference(self):
-        self._ref = True
-        try:
-            yield
-        finally:
-            self._ref = False
-
-
-class _Cond:
-    def __getitem__(self, rows):
-        return self
-
-
-def rolled_batch(algo: GRPOGuard, ctx: Toy, P: int = 2, G: int = 3) -> Batch:
+def rolled_batch(algo: GRPOGuard, ctx: ToyContext, P: int = 2, G: int = 3) -> Batch:
     plan = algo.plan(P, G, generator=gen(4))
     n = P * G
     noise = torch.randn(n, 3, 2, 2, generator=gen(5))
@@ -102,7 +77,7 @@ def rolled_batch(algo: GRPOGuard, ctx: Toy, P: int = 2, G: int = 3) -> Batch:
         traj = ragged_rollout(lambda x, s, rows: ctx.velocity(x, s, None), noise, [plan.sigmas] * n,
                               list(plan.sde_mask), kernel=plan.kernel, noise_level=plan.noise_level,
                               generator=[gen(10 + r) for r in range(n)], record_means=True)
-    batch = Batch(prompts=["p"] * n, metadata=None, global_rows=torch.arange(n), cond=_Cond(), plan=plan,
+    batch = Batch(prompts=["p"] * n, metadata=None, global_rows=torch.arange(n), cond=Cond(), plan=plan,
                   latents=traj.latents, log_probs=traj.log_probs, means=traj.means)
     batch.advantages = algo.advantages(torch.tensor([0.0, 1.0, 0.5, 2.0, 0.0, 1.0]), G)
     return batch
@@ -110,7 +85,7 @@ def rolled_batch(algo: GRPOGuard, ctx: Toy, P: int = 2, G: int = 3) -> Batch:
 
 def test_rollout_records_the_sampling_means_and_the_loss_starts_at_ratio_one_with_the_step_weighted_gradient():
     algo = GRPOGuard(SIGMAS, kl_beta=0.0, timestep_fraction=0.3, timestep_selection="first")
-    ctx = Toy()
+    ctx = ToyContext(seed=9)
     batch = rolled_batch(algo, ctx)
     assert torch.isnan(batch.means).sum() == 0  # every step of a Flow-GRPO rollout is an SDE step
     rows, steps = batch.plan.trained_transitions()
@@ -137,7 +112,7 @@ def test_rollout_records_the_sampling_means_and_the_loss_starts_at_ratio_one_wit
 
 def test_without_step_reweight_the_weight_is_one_and_a_batch_without_means_is_refused():
     algo = GRPOGuard(SIGMAS, kl_beta=0.0, step_reweight=False, timestep_fraction=0.3, timestep_selection="first")
-    ctx = Toy()
+    ctx = ToyContext(seed=9)
     batch = rolled_batch(algo, ctx)
     rows, steps = batch.plan.trained_transitions()
     loss, _ = algo.loss(ctx, batch, rows, steps)

@@ -57,6 +57,39 @@ def test_a_run_that_fails_before_it_has_a_run_dir_leaves_no_stray_outputs_dir(tm
     assert list(work.iterdir()) == []  # no outputs/<date>/<time>/.hydra left behind
 
 
+BAD_RECORD = {"tag": "single_object", "include": [{"class": "cat", "count": 1}], "prompt": "a photo of a cat"}
+
+
+def test_a_set_up_failure_after_the_run_dir_was_made_leaves_no_run_dir(tmp_path):
+    """A prompt file the reward cannot judge fails while the trainer is set up, after train.py made the run dir (and
+    wrote its config and log there): a dir this run made is removed, one that held a run before is left as it was."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(BAD_RECORD) + "\n")
+    fresh, used = tmp_path / "fresh" / "run", tmp_path / "used"
+    used.mkdir()
+    (used / "notes.txt").write_text("an earlier run's file")
+    for out in (fresh, used):
+        with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+            cfg = compose("train", overrides=["debug=default", "logger=none", f"data.train_file={bad}",
+                                              f"trainer.output_dir={out}"])
+        with pytest.raises(ValueError, match=r"bad\.jsonl:1: record\.include\[0\]\.class"):
+            cli.main(cfg)
+    assert not fresh.exists()
+    assert (used / "notes.txt").read_text() == "an earlier run's file" and (used / "train.log").is_file()
+
+
+def test_a_set_up_failure_in_hydras_own_run_dir_leaves_no_stray_outputs_dir(tmp_path):
+    work = tmp_path / "cwd"
+    work.mkdir()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(BAD_RECORD) + "\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "debug=default", "logger=none",
+                           f"data.train_file={bad}"], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "bad.jsonl:1: record.include[0].class" in proc.stdout + proc.stderr
+    assert list(work.iterdir()) == []  # no outputs/<date>/<time>/ with a config, a log and .hydra/ left behind
+
+
 def test_a_crash_writes_its_traceback_to_train_log_and_raises(tmp_path):
     trainer = make(tmp_path, "trainer.iterations=2", "trainer.checkpoint_every=0")
     real = trainer.reward

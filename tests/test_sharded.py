@@ -286,3 +286,71 @@ def test_lora_and_transformer_writers_take_gathered_tensors(tmp_path):
     saved = load_file(tmp_path / "lora" / "pytorch_lora_weights.safetensors")
     assert saved.keys() == {"transformer." + n.replace(".default.", ".") for n in lora}
     assert all(torch.equal(saved["transformer." + n.replace(".default.", ".")], v) for n, v in lora.items())
+
+
+class _ShardedAccelerator(_FakeAccelerator):
+    """FSDP2 as the update guard sees it: a sum over the gloo group."""
+
+    def __init__(self):
+        super().__init__("FSDP")
+
+    def reduce(self, tensor, reduction="sum"):
+        import torch.distributed as dist
+
+        assert reduction == "sum"
+        dist.all_reduce(tensor)
+        return tensor
+
+
+def _rollback_worker(out):
+    """Weights sharded over 2 processes (DTensors, Shard(0)) and AdamW: an ordinary step stays; a step at lr 1e6 is
+    measured on the whole weights (every process the same ratio) and undone on every shard, moments included."""
+    import json
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from flowgrpo.guards import Guards
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.randn(6, 4)
+    param = torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))
+    optimizer = torch.optim.AdamW([param], lr=1e-3)
+    run = SimpleNamespace(cfg=OmegaConf.create({"trainer": {"max_update_ratio": 1.0}, "model": {"finetune": "full"}}),
+                          params=[param], optimizer=optimizer, device=torch.device("cpu"), acc=_ShardedAccelerator(),
+                          _update_guard=None)
+
+    def step(grad_scale):
+        param.grad = distribute_tensor(torch.full_like(full, grad_scale), mesh, [Shard(0)])
+        before = Guards._pre_step_copy(run)
+        whole_before = param.full_tensor().clone()
+        optimizer.step()
+        moved = float((param.full_tensor() - whole_before).norm() / whole_before.norm())
+        return Guards._undo_if_diverged(run, before), moved
+
+    kept, small = step(1.0)
+    assert kept is None and 0 < small < 1.0
+    shard = param.to_local().clone()
+    moments = {k: (v.to_local() if isinstance(v, DTensor) else v).clone() for k, v in optimizer.state[param].items()}
+    optimizer.param_groups[0]["lr"] = 1e6
+    ratio, big = step(1.0)
+    assert ratio == pytest.approx(big, rel=1e-6) and ratio > 1.0  # the whole weights' ratio, on both processes
+    assert torch.equal(param.to_local(), shard)
+    for k, v in optimizer.state[param].items():
+        assert torch.equal((v.to_local() if isinstance(v, DTensor) else v), moments[k]), k
+    ratios = [None, None]
+    dist.all_gather_object(ratios, ratio)
+    if dist.get_rank() == 0:
+        (out / "ratios.json").write_text(json.dumps(ratios))
+
+
+def test_a_diverging_update_of_sharded_weights_is_undone_on_every_shard(tmp_path):
+    import json
+
+    run_processes(_rollback_worker, tmp_path)
+    first, second = json.loads((tmp_path / "ratios.json").read_text())
+    assert first == second > 1.0

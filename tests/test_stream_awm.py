@@ -26,6 +26,7 @@ from flowgrpo.models import StreamAdapter, StreamingWanPipeline, build_tiny_pipe
 from flowgrpo.models.stream_adapter import stream_sde_mask
 from flowgrpo.models.stream_pipeline import StreamConfig
 from samplers import chunked_rollout, stream_sigmas
+from doubles import keyed_generator  # tests/doubles.py
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -208,10 +209,7 @@ class StreamCtx(UpdateContext):
         return contextlib.nullcontext()
 
     def generator(self, *keys):
-        seed = 23
-        for k in keys:
-            seed = seed * 1_000_003 + int(k) + 1
-        return gen(seed % (2**63 - 1))
+        return keyed_generator(23, *keys)
 
 
 @pytest.fixture(scope="module")

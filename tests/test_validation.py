@@ -50,6 +50,11 @@ def test_a_bad_metadata_line_fails_at_set_up_naming_file_and_line(tmp_path, no_m
                       f"trainer.output_dir={tmp_path / 'run'}")
     with pytest.raises(ValueError, match=rf"{path}:4: record\.include\[0\]\.class: .*'cat'"):
         Trainer(cfg, tmp_path / "run")
+    # a misspelt key inside a clause is refused with its line and the nearest known key, not judged without it
+    misspelt = {"tag": "colors", "include": [{"class": "circle", "count": 1, "colour": "red"}], "prompt": "a red circle"}
+    _jsonl(path, [good, misspelt])
+    with pytest.raises(ValueError, match=rf"{path}:2: record\.include\[0\]: unknown key 'colour' \(did you mean 'color'\?\)"):
+        Trainer(cfg, tmp_path / "run")
     assert no_model == []
 
 
@@ -134,9 +139,10 @@ def test_every_shipped_pipeline_accepts_its_own_sizes():
 
 
 def test_a_batch_whose_rollouts_cannot_fit_is_refused_with_the_numbers_before_the_first_rollout(tmp_path):
-    """One iteration keeps every state of every trajectory and the decoded samples: rollout_bytes counts them, and
-    more than 80% of the memory left is refused naming the keys (trainer.group_size=100000 used to fill 10 GB in
-    40 s before anything said so)."""
+    """One iteration keeps every state of every trajectory and the decoded samples (rollout_bytes), and runs forwards
+    whose activations dwarf them on a small latent (forward_bytes: a rollout chunk's velocity call, or the decode of
+    every sample); more than 80% of the memory left is refused naming the keys (trainer.group_size=100000 used to
+    fill 10 GB in 40 s before anything said so)."""
     import math
 
     trainer = Trainer(compose_cfg(), tmp_path / "run")
@@ -144,7 +150,39 @@ def test_a_batch_whose_rollouts_cannot_fit_is_refused_with_the_numbers_before_th
     latent = math.prod(trainer.adapter._latent_shape(1, c.height, c.width, None)[1:])
     states = (trainer.cfg.sampler.num_steps + 1) * (2 if trainer.algorithm.records_means else 1)
     assert trainer.rollout_bytes() == 4 * m * (states * latent + 3 * c.height * c.width)
-    trainer._check_rollout_memory(available=2 * trainer.rollout_bytes())  # fits: nothing said
-    with pytest.raises(MemoryError, match=r"trainer\.prompts_per_iteration=\d+ x trainer\.group_size=\d+.*GiB is "
-                                          r"available on cpu\. Lower trainer\.group_size"):
-        trainer._check_rollout_memory(available=trainer.rollout_bytes())
+    forward = trainer.forward_bytes()
+    # a forward keeps at least its input and output, and on the tiny model far more: the stored rollouts alone are
+    # not an honest estimate
+    assert forward > trainer.rollout_bytes()
+    need = trainer.rollout_bytes() + forward
+    trainer._check_rollout_memory(available=2 * need)  # fits: nothing said
+    with pytest.raises(MemoryError, match=r"trainer\.prompts_per_iteration=\d+ x trainer\.group_size=\d+.*largest "
+                                          r"forward takes .* GiB more.*GiB is available on cpu\. Lower trainer\.group_size"):
+        trainer._check_rollout_memory(available=need)  # the stored rollouts alone would have fitted
+    assert trainer.rollout_bytes() <= 0.8 * need
+
+
+def test_the_rollout_memory_estimate_is_linear_in_the_batch_and_refuses_a_huge_group_before_any_rollout(
+        tmp_path, monkeypatch):
+    """The forward fitted from fake runs at 2 and 4 samples predicts the fake run at 6 (activations grow linearly
+    with the batch). With 16 GiB free, trainer.group_size=100000 keeps 6 GiB of trajectories — under the
+    80% line — but a rollout forward of all its samples needs far more: refused while the trainer is set up, before
+    any rollout; the normal config is accepted."""
+    import flowgrpo.guards as guards
+
+    trainer = Trainer(compose_cfg(), tmp_path / "a")
+    (v0, v1), (d0, d1) = guards._forward_fit(trainer)
+    assert v1 > 0 and d1 > 0
+    guards.forward_peaks(trainer, 1)  # this trainer's first decode (the fit is cached from another's) converts its VAE
+    velocity, decode = guards.forward_peaks(trainer, 6)
+    assert velocity == pytest.approx(v0 + 6 * v1, rel=0.01) and decode == pytest.approx(d0 + 6 * d1, rel=0.01)
+    monkeypatch.setattr(guards, "available_memory", lambda device: 16 * 2**30)
+    Trainer(compose_cfg(), tmp_path / "b")  # the normal config fits
+    rolled = []
+    monkeypatch.setattr(Trainer, "rollout", lambda self, *a, **k: rolled.append(a))
+    huge = compose_cfg("trainer.group_size=100000", "trainer.train_batch_size=100000")
+    with pytest.raises(MemoryError, match=r"trainer\.group_size=100000.*largest forward takes") as info:
+        Trainer(huge, tmp_path / "c")
+    assert rolled == []
+    kept = float(str(info.value).split("rollouts keep ")[1].split(" GiB")[0])
+    assert kept < 0.8 * 16  # the stored rollouts alone would have been let through

@@ -23,6 +23,7 @@ from flowgrpo.world import (
     MOTION_TAGS,
     NUM_FRAMES,
     PALETTE,
+    draw_clip,
     draw_frames,
     motion_metadata_for,
     perturb_motion,
@@ -290,7 +291,7 @@ def test_components_scores_and_input_forms():
     strict = rewards.load("video_geneval")
     out = strict(torch.from_numpy(clips).permute(0, 1, 4, 2, 3).float() / 255, [m["prompt"] for m in meta], meta)
     names = {"strict", "partial", *(f"{k}/{t}" for k in ("strict", "partial") for t in VIDEO_TAGS),
-             *(f"check/{c}" for c in CHECKS)}
+             *(f"check/{c}" for c in CHECKS), "frozen"}
     assert set(out.components) == names and VIDEO_TAGS == MOTION_TAGS
     assert out.scores.tolist() == out.components["strict"].tolist() == [0.0, 1.0, 1.0]
     assert out.components["partial"].tolist() == [0.75, 1.0, 1.0]  # object, colour, identity pass; motion fails
@@ -315,6 +316,29 @@ def test_components_scores_and_input_forms():
         strict(torch.zeros(1, 3, 64, 64), None, meta[:1])
     with pytest.raises(ValueError, match="2 metadata"):
         strict(clips[:1], None, meta[:2])
+
+
+def test_frozen_marks_a_motion_prompt_answered_by_a_still_clip(reward):
+    """``frozen`` is 1 exactly when a prompt that names a direction gets its object(s) held still: not for a
+    wrong direction, a slow drift, a missing object or a blank clip, and NaN where no clause names a direction."""
+    one = motion_metadata_for("motion", "circle", "red", "left")
+    two = motion_metadata_for("two_object_motion", ("square", "circle"), ("blue", "green"), ("up", "right"))
+    still = perturb_motion(one, "still", 0)  # the same object standing still
+    tracks = sample_tracks(one, 3)
+    drift = [replace(tracks[0], vx=-0.4, vy=0.0)]  # moves, too slowly for "left", too fast for "still"
+    both_still = [replace(t, vx=0.0, vy=0.0) for t in sample_tracks(two, 4)]
+    one_still = [replace(t, vx=0.0, vy=0.0) if i == 0 else t for i, t in enumerate(sample_tracks(two, 4))]
+    static = motion_metadata_for("static", "triangle", "black", "still")
+    colors = motion_metadata_for("colors", "circle", "red")
+    clips = [render_clip(one, seed=1), render_clip(still, seed=1), render_clip(perturb_motion(one, "direction", 0), seed=2),
+             draw_clip(drift), draw_clip(both_still), draw_clip(one_still), np.zeros((NUM_FRAMES, 64, 64, 3), np.uint8),
+             render_clip(static, seed=5), render_clip(colors, seed=6)]
+    meta = [one, one, one, one, two, two, one, static, colors]
+    frozen = reward(np.stack(clips), None, meta).components["frozen"].tolist()
+    assert frozen[:7] == [0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    assert math.isnan(frozen[7]) and math.isnan(frozen[8])  # no clause names a direction
+    # a diagnostic only: the still clip's partial credit is what the checks give, with or without it
+    assert reward(np.stack(clips[1:2]), None, meta[1:2]).components["partial"].item() == 0.75
 
 
 def test_summaries_report_overall_and_per_tag_for_video_tags():

@@ -45,7 +45,7 @@ import torch
 from ..config import AlgoConfig
 from ..knobs import knob
 from .base import Algorithm, Batch, UpdateContext
-from .losses import keyed_noise, renoise
+from .losses import add_velocity_kl, keyed_noise, renoise
 from .old_policy import OldPolicy
 
 __all__ = ["AWMConfig", "AWM", "awm_weight", "awm_objective", "scaled_advantages", "stratified_levels", "ema_decay"]
@@ -108,13 +108,9 @@ def awm_objective(v: torch.Tensor, target: torch.Tensor, sigma: torch.Tensor, ad
     info: dict[str, Any] = {"policy_loss": loss.detach(), "fm_loss": fm.detach().mean().float(),
                             "weighted_fm": w.detach().mean().float()}
     if v_ema is not None:
-        ema_kl = _sq_mean(v - v_ema).mean()
-        loss = loss + cfg.ema_kl_beta * ema_kl
-        info["ema_kl"] = ema_kl.detach()
+        loss = add_velocity_kl(loss, info, v, v_ema, cfg.ema_kl_beta, key="ema_kl")
     if v_ref is not None:
-        kl = _sq_mean(v - v_ref).mean()
-        loss = loss + cfg.kl_beta * kl
-        info["kl"] = kl.detach()
+        loss = add_velocity_kl(loss, info, v, v_ref, cfg.kl_beta)
     return loss, info
 
 

@@ -184,6 +184,8 @@ class Batch:
                                                     # ``records_means`` (GRPO-Guard), else None
     chunk_conds: list[Any] | None = None            # with chunks: chunk c's conditioning (text + the state written
                                                     # by the chunks before it), per row: what rescoring needs
+    final: torch.Tensor | None = None               # [n, ...] each row's clean sample ([n, C, ...] its chunks), a view
+                                                    # of latents: adapter.decode(adapter.join_chunks(final))
     images: torch.Tensor | None = None
     rewards: torch.Tensor | None = None
     components: dict[str, torch.Tensor] = field(default_factory=dict)

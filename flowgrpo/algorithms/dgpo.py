@@ -40,7 +40,7 @@ import torch
 from ..config import AlgoConfig
 from ..knobs import knob
 from .base import Algorithm, Batch, UpdateContext
-from .losses import keyed_noise, renoise, sq_mean
+from .losses import add_velocity_kl, keyed_noise, renoise, sq_mean
 from .old_policy import OldPolicy
 
 __all__ = ["DGPOConfig", "DGPO", "dgpo_policy_loss", "dsm_clip_mask"]
@@ -189,9 +189,7 @@ class DGPO(Algorithm):
         loss, z = dgpo_policy_loss(fm, ref_fm, adv, G, cfg.beta_dpo)
         info.update(policy_loss=loss.detach(), group_weight=torch.sigmoid(z).mean(), margin=z.mean())
         if cfg.kl_beta > 0:
-            kl = sq_mean(v - v_ref).mean()
-            loss = loss + cfg.kl_beta * kl
-            info["kl"] = kl.detach()
+            loss = add_velocity_kl(loss, info, v, v_ref, cfg.kl_beta)
         return loss, info
 
     def state_dict(self) -> dict:

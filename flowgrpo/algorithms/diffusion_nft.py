@@ -41,7 +41,7 @@ import torch
 from ..config import AlgoConfig
 from ..knobs import knob
 from .base import Algorithm, Batch, UpdateContext
-from .losses import keyed_noise, renoise, sq_mean
+from .losses import add_velocity_kl, keyed_noise, renoise, sq_mean
 from .old_policy import OldPolicy
 from .schedule import select_trained, trained_step_count
 
@@ -153,9 +153,7 @@ class DiffusionNFT(Algorithm):
         if cfg.kl_beta > 0:
             with torch.no_grad(), ctx.reference():
                 v_ref = ctx.velocity(x_t, sigma, cond)
-            kl = sq_mean(v - v_ref).mean()
-            loss = loss + cfg.kl_beta * kl
-            info["kl"] = kl.detach()
+            loss = add_velocity_kl(loss, info, v, v_ref, cfg.kl_beta)
         return loss, info
 
     def end_iteration(self, ctx: UpdateContext | None = None) -> None:

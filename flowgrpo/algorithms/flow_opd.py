@@ -174,8 +174,6 @@ class FlowOPD(GRPO):
              steps: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         cfg = self.cfg
         plan = batch.plan
-        if plan.chunked:
-            raise ValueError("algo=flow_opd trains a model that generates in one chunk")
         flat = torch.as_tensor(steps, dtype=torch.long).cpu()
         rows, steps = self._check_transitions(plan, rows, flat)
         x = batch.latents[rows, steps]

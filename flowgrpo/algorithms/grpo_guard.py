@@ -90,8 +90,6 @@ class GRPOGuard(GRPO):
         if batch.means is None:
             raise ValueError("algo=grpo_guard needs each SDE step's mean from the rollout (Batch.means), which the "
                              "rollout records for it; a batch built by hand must fill it")
-        if batch.plan.chunked:
-            raise ValueError("algo=grpo_guard trains a model that generates in one chunk, not a streaming model")
         rows, steps = rows.to(batch.means.device), steps.to(batch.means.device)
         mean_old = batch.means[rows, steps]
         if not bool(torch.isfinite(mean_old).all()):

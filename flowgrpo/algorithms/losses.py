@@ -123,6 +123,18 @@ def sq_mean(x: torch.Tensor) -> torch.Tensor:
     return x.float().pow(2).mean(dim=tuple(range(1, x.ndim)))
 
 
+def add_velocity_kl(loss: torch.Tensor, info: dict, v: torch.Tensor, v_ref: torch.Tensor, beta: float,
+                    key: str = "kl") -> torch.Tensor:
+    """``loss + β·mean‖v − v_ref‖²``, the mean over samples of :func:`sq_mean`, with that mean logged (detached) as
+    ``info[key]``: the likelihood-free algorithms' regression of the trained velocity ``v`` to another policy's
+    ``v_ref`` at the same noisy input (the reference policy, ``algo.kl_beta``; AWM's slow EMA copy, ``ema_kl``).
+    For two Gaussian transitions whose means differ by ``Δt·(v − v_ref)`` the KL is this up to a σ-dependent
+    factor, hence the name the papers give it."""
+    kl = sq_mean(v - v_ref).mean()
+    info[key] = kl.detach()
+    return loss + beta * kl
+
+
 def keyed_noise(like: torch.Tensor, generators) -> torch.Tensor:
     """One standard normal draw of ``like``'s per-sample shape from each generator, stacked on ``like``'s device.
     With generators keyed by global rows or groups (``UpdateContext.generator``) the draws are the same on any

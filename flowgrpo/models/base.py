@@ -6,6 +6,11 @@ forward, classifier-free guidance batched into it) and ``decode``. Sampling itse
 samplers are pure functions of explicit sigmas (``samplers.rollout``), and ``sigmas()`` gives them the
 exact schedule the pipeline's own ``__call__`` would use.
 
+Every adapter generates in *chunks*, each written into the model's state before the next: an image or a clip is one
+chunk with no state (``num_chunks`` is 1, ``commit`` returns the conditioning unchanged, ``join_chunks`` the sample
+itself), and a streaming model (``flowgrpo.models.StreamAdapter``) makes a video block by block. So the trainer and
+the algorithms ask any adapter the same questions and never which kind it is.
+
 Conventions (diffusers'): x_σ = (1−σ)·x₀ + σ·ε, the transformer predicts v ≈ ε − x₀, an Euler step is
 x' = x + (σ'−σ)·v. Latents, velocities and sigmas are float32 whatever the model dtype; only the
 transformer forward runs in the model dtype.
@@ -15,12 +20,15 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, fields, replace
-from typing import ClassVar, Sequence
+from contextlib import nullcontext
+from typing import Any, Callable, ClassVar, ContextManager, Sequence
 
 import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 from diffusers.utils import logging as diffusers_logging
 from diffusers.utils.torch_utils import randn_tensor
+
+from samplers import rollout
 
 __all__ = ["FlowAdapter", "PromptEmbeds"]
 
@@ -255,6 +263,8 @@ class FlowAdapter(TransformerAccess):
         *,
         guidance_scale: float = 1.0,
         max_sequence_length: int | None = None,
+        metadata: Sequence[dict] | None = None,
+        num_frames: int | None = None,
         **cfg_kwargs,
     ) -> PromptEmbeds:
         r"""
@@ -267,6 +277,8 @@ class FlowAdapter(TransformerAccess):
             guidance_scale (`float`, defaults to 1.0): the negative embeddings are included iff `guidance_scale > 1`,
                 as in the pipelines. Pass the value you will pass to `velocity`.
             max_sequence_length (`int`, *optional*): T5 sequence length; the pipeline's default when `None`.
+            metadata, num_frames: what a streaming model's conditioning is built from (each stream's segments);
+                one chunk's conditioning is the prompt alone, so they are not read here.
             cfg_kwargs: family-specific guidance options (FLUX: `true_cfg_scale`).
 
         Returns:
@@ -441,3 +453,56 @@ class FlowAdapter(TransformerAccess):
             float32 images `[B, 3, H, W]`, or videos `[B, T, 3, H, W]` for video families.
         """
         return self._decode_latents(latents).float()
+
+    # ------------------------------------------------------------------ chunks (one: an image or a clip)
+    #: whether a sample is several chunks with state between them (a streaming model's blocks)
+    chunked: ClassVar[bool] = False
+
+    def num_chunks(self, num_frames: int | None = None) -> int:
+        """Chunks generated one after the other for a sample: one (an image or a whole clip)."""
+        return 1
+
+    @property
+    def frames(self) -> "FlowAdapter":
+        """The adapter of one chunk's latent layout and decoding: this one."""
+        return self
+
+    def join_chunks(self, final: torch.Tensor) -> torch.Tensor:
+        """The samples ``adapter.decode`` takes from each row's final chunks: one chunk is the sample itself."""
+        return final
+
+    def commit(self, x0: torch.Tensor, cond: PromptEmbeds) -> PromptEmbeds:
+        """Write the finished chunk into the model's state; the next chunk's conditioning. One chunk leaves no state:
+        ``cond`` itself."""
+        return cond
+
+    def routed(self, route) -> ContextManager[None]:
+        """A streaming model's blocks attending routed cached frames (``StreamAdapter.routed``); one chunk has no
+        cache to route."""
+        raise TypeError(f"{type(self).__name__} is not a streaming model (model.family=causal_wan)")
+
+    def teacher_forced_velocity(self, clean, noisy, sigma, cond, *, transformer=None) -> torch.Tensor:
+        """A streaming model's teacher-forced forward over whole streams (``StreamAdapter.teacher_forced_velocity``);
+        one chunk has no context to force."""
+        raise TypeError(f"{type(self).__name__} is not a streaming model (model.family=causal_wan)")
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], metadata: Sequence[dict] | None, generators: list[torch.Generator], *,
+                 sigmas: torch.Tensor, model_kw: dict[str, Any],
+                 autocast: Callable[[], ContextManager] = nullcontext) -> torch.Tensor:
+        """Samples ``[B, 3, H, W]`` (videos ``[B, T, 3, H, W]``) in [0, 1] from the deterministic Euler ODE over
+        ``sigmas`` with the run's guidance, one per generator (it draws the sample's initial noise); what the
+        held-out evaluation samples (``flowgrpo.evaluation.generate``). ``metadata`` is not read (a streaming model's
+        segments)."""
+        guidance = model_kw["guidance"]
+        extra = {k: v for k, v in guidance.items() if k != "guidance_scale"}
+        cond = self.encode_prompts(prompts, model_kw["negative_prompt"], guidance_scale=guidance["guidance_scale"],
+                                   max_sequence_length=model_kw["max_sequence_length"], **extra)
+        noise = self.prepare_noise(len(prompts), generator=generators, **model_kw["size"])
+
+        def velocity(x, sigma):
+            with autocast():
+                return self.velocity(x, sigma, cond, **guidance)
+
+        trajectory = rollout(velocity, noise, sigmas, torch.zeros(sigmas.shape[0] - 1, dtype=torch.bool))
+        return self.decode(trajectory.final).float().clamp(0, 1)

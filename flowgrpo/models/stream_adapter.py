@@ -34,6 +34,7 @@ from samplers import chunked_rollout, stream_sigmas
 from .base import TransformerAccess
 from .causal_wan import CacheState, teacher_forcing_mask
 from .stream_pipeline import StreamingWanPipeline
+from .wan import WanAdapter
 
 __all__ = ["StreamCond", "StreamAdapter", "ForcingRun", "stream_sde_mask"]
 
@@ -164,6 +165,9 @@ class StreamAdapter(TransformerAccess):
     family = "causal_wan"
     is_video = True
     chunked = True  # the trainer integrates chunk by chunk (samplers.chunked_rollout)
+    #: Pixel frames per latent frame after the first: Wan's (:attr:`WanAdapter.temporal_factor`), on the class before a
+    #: model loads; on an adapter, its VAE's.
+    temporal_factor: int = WanAdapter.temporal_factor
 
     def __init__(self, stream: StreamingWanPipeline):
         if stream.config.context_sigma != 0:
@@ -174,6 +178,7 @@ class StreamAdapter(TransformerAccess):
         self.wan = stream.wan
         self.config = stream.config
         self.frames = stream.adapter  # the Wan adapter: text encoding, latent layout, decoding
+        self.temporal_factor = stream.temporal_factor
         self._transformer = None
 
     def __repr__(self) -> str:
@@ -298,6 +303,11 @@ class StreamAdapter(TransformerAccess):
             return v_uncond + guidance_scale * (v_cond - v_uncond)
         self.wan.cache = cond.cache
         return self.wan(x, timestep, text, frame_offset=offset, module=transformer).float()
+
+    def routed(self, route) -> ContextManager[None]:
+        """A context in which the blocks attend the cached frames ``route(frame_offset, num_frames, cached)`` picks
+        instead of their sink + window (``CausalWan.routed``)."""
+        return self.wan.routed(route)
 
     @torch.no_grad()
     def commit(self, x0: torch.Tensor, cond: StreamCond) -> StreamCond:

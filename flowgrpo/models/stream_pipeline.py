@@ -139,7 +139,8 @@ class StreamingWanPipeline:
     # ------------------------------------------------------------------------------------------------ layout
     @property
     def temporal_factor(self) -> int:
-        return self.pipe.vae_scale_factor_temporal
+        """Pixel frames per latent frame after the first: its Wan adapter's (:attr:`WanAdapter.temporal_factor`)."""
+        return self.adapter.temporal_factor
 
     def latent_frames(self, num_frames: int) -> int:
         t = self.temporal_factor

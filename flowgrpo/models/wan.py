@@ -79,6 +79,10 @@ class WanAdapter(FlowAdapter):
     #: The same budget on CPU, where a call that outgrows the caches is slower per clip: 64 clips of the embedded
     #: world (13x64x64) decode in 4.4-5.1 s as one call and in 2.3 s as calls of 8-19 clips (2 cores).
     cpu_decode_pixels_per_call: ClassVar[int] = 2**20
+    #: Pixel frames per latent frame after the first (pixel frame 0 is latent frame 0): Wan's VAE compresses time 4x
+    #: (2.1 and 2.2 alike). Read on the class, what a config is checked against before a pipeline loads; on an
+    #: adapter, its own VAE's (``scale_factor_temporal``).
+    temporal_factor: int = 4
 
     def __init__(self, pipe: WanPipeline):
         if getattr(pipe, "transformer_2", None) is not None or pipe.transformer is None:
@@ -87,6 +91,7 @@ class WanAdapter(FlowAdapter):
                 "two-expert) or no `transformer`."
             )
         super().__init__(pipe)
+        self.temporal_factor = pipe.vae_scale_factor_temporal
         if pipe.vae is not None:
             use_fast_channel_norms(pipe.vae)  # the pipeline's VAE, so pipe(...) decodes as the adapter does
 
@@ -104,7 +109,7 @@ class WanAdapter(FlowAdapter):
     def _latent_shape(self, batch_size, height, width, num_frames) -> tuple[int, ...]:
         if num_frames is None:
             raise ValueError("Wan generates videos: pass num_frames.")
-        temporal, spatial = self.pipe.vae_scale_factor_temporal, self.pipe.vae_scale_factor_spatial
+        temporal, spatial = self.temporal_factor, self.pipe.vae_scale_factor_spatial
         if (num_frames - 1) % temporal:
             raise ValueError(f"Wan needs num_frames = {temporal}·k + 1; got {num_frames}.")
         _, patch_h, patch_w = self.pipe.transformer.config.patch_size
@@ -141,7 +146,7 @@ class WanAdapter(FlowAdapter):
         inv_std = 1.0 / torch.tensor(vae.config.latents_std, device=latents.device, dtype=latents.dtype).view(shape)
         _, _, frames, height, width = latents.shape
         pixels_per_clip = (
-            ((frames - 1) * self.pipe.vae_scale_factor_temporal + 1)
+            ((frames - 1) * self.temporal_factor + 1)
             * height * self.pipe.vae_scale_factor_spatial
             * width * self.pipe.vae_scale_factor_spatial
         )

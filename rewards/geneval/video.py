@@ -67,7 +67,12 @@ Components of the :class:`~rewards.RewardOutput` (all ``[B]`` float32):
 - ``strict/<tag>``, ``partial/<tag>`` for the six video tags: the sample's value where it has that tag, NaN
   elsewhere, as :class:`~rewards.GenEval` does (:func:`~rewards.geneval_summary` reports the per-tag means and the
   overall score, the mean over tags);
-- ``check/<name>`` for the seven checks (:data:`CHECKS`): 0/1, NaN where the prompt has no such clause.
+- ``check/<name>`` for the seven checks (:data:`CHECKS`): 0/1, NaN where the prompt has no such clause;
+- ``frozen``: a diagnostic, not part of ``partial``: 1 where the prompt asks for a direction and the clip shows the
+  object(s) but holds them still -- every clause naming a direction has a long track and all its long tracks move at
+  ``< still_speed`` -- 0 where it moves them (rightly or not) or shows none, NaN where no clause names a direction.
+  Its held-out mean is the share of motion prompts answered by a frozen clip: the shortcut a temporal-consistency
+  term rewards (a clip that does not change is perfectly consistent).
 
 A degenerate clip -- every frame uniform (all black, all white, one flat colour) or pure noise
 (:func:`rewards.images.degenerate`) -- is judged as showing no object in any frame: every applicable check fails,
@@ -257,6 +262,7 @@ class VideoVerdict:
     reason: str
     frame_checks: dict[str, list[list[bool]]] = field(default_factory=dict, repr=False)
     tracks: dict[tuple[str, str | None], list[VideoTrack]] = field(default_factory=dict, repr=False)
+    frozen: float = math.nan
 
 
 def _clause_name(clause: Mapping) -> str:
@@ -436,6 +442,7 @@ class VideoGenEval:
         tracks = self._tracks(detections, include, scale)
         ident_ok, ident_credit = True, []
         motion: dict[str, list[tuple[bool, float]]] = {"motion": [], "speed": [], "still": []}
+        held: list[bool] = []  # per clause naming a direction: shown (a long track) and every long track still
         for clause in include:
             n = int(clause["count"])
             mine = sorted(tracks[(clause["class"], clause.get("color"))], key=lambda tr: -len(tr.frames))
@@ -450,6 +457,8 @@ class VideoGenEval:
             if word is None:
                 continue
             kind = "still" if word == "still" else "motion"
+            if word in DIRECTIONS:
+                held.append(bool(long_) and all(tr.speed < self.still_speed for tr in long_))
             passing = sum(self._moves(tr, word) for tr in long_)
             motion[kind].append((passing >= n, min(passing, n) / n))
             if passing < n:
@@ -472,7 +481,7 @@ class VideoGenEval:
         checks = {name: checks[name] for name in CHECKS if name in checks}
         credits = {name: credits[name] for name in CHECKS if name in credits}
         return VideoVerdict(strict=strict, partial=partial, checks=checks, credits=credits, reason="; ".join(reasons),
-                            frame_checks=frame_checks, tracks=tracks)
+                            frame_checks=frame_checks, tracks=tracks, frozen=float(all(held)) if held else math.nan)
 
     def _tracks(self, detections, include, scale: float) -> dict[tuple[str, str | None], list[VideoTrack]]:
         """Tracks of every (class, colour) a clause names (colour None: the class whatever its colour)."""
@@ -523,4 +532,5 @@ class VideoGenEval:
         for name in CHECKS:
             components[f"check/{name}"] = torch.tensor([float(v.checks[name]) if name in v.checks else math.nan
                                                         for v in verdicts], dtype=torch.float32)
+        components["frozen"] = torch.tensor([v.frozen for v in verdicts], dtype=torch.float32)
         return RewardOutput(scores=components[self.score].clone(), components=components)

@@ -1,0 +1,338 @@
+"""KVPO, the algorithm (``algo=kvpo``): its config, its plan, advantages relative to each group's reference run,
+and the loss of its update (the TVE replay of each branch under the unrouted context).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator, List, Sequence
+
+import torch
+
+from ...config import AlgoConfig
+from ...knobs import knob
+from ...rollout import Rollout, SamplingModel
+from ..base import Algorithm, Batch, UpdateContext
+from ..old_policy import OldPolicy
+from .objective import branch_log_policy, fuse_advantages, kvpo_loss, reference_relative_advantages, tve_scores
+from .routing import RoutingPlan, plan_routing
+from .rollout import BranchedRollout
+
+__all__ = ["KVPOConfig", "KVPO"]
+
+
+@dataclass
+class KVPOConfig(AlgoConfig):
+    """``algo=kvpo``: the official defaults where they carry over to a small model (the routing geometry follows the
+    model: ``n = window − block − nearest_m`` older frames per branch). ``trainer.group_size`` = branches + 1: the
+    last member of each group is the reference (unrouted) run."""
+
+    routed_blocks: int = knob(2, ge=1)  # P consecutive routed blocks from the fork (fewer where a stream has no room)
+    nearest_m: int = knob(1, ge=0)  # frames just before a routed block it keeps attending (official m minus the block)
+    outside_window: bool = True  # draw older frames only from outside the fork block's unrouted window
+    replay_blocks: int = knob(0, ge=0)  # blocks replayed from the fork for the TVE score; 0 = the routed ones
+    grad_steps: int = knob(2, ge=1)  # per replayed block, the first steps that carry the gradient (official 2)
+    sigma_floor: float = knob(1.0, ge=0)  # TVE weights 1/(2·max(sigma, floor)^2): the official 1 weighs steps equally
+    clip_low: float = knob(0.1, gt=0, le=0.99)  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = knob(0.2, gt=0)  # the asymmetric upper clip
+    kl_beta: float = knob(10.0, ge=0)  # weight of the discrete KL(pi_theta || pi_init) on the branch simplex
+    w_local: float = knob(1.0, ge=0)  # weight of the fork segment's (local) advantage after std normalisation
+    w_global: float = knob(0.5, ge=0)  # weight of the whole stream's (global) advantage after std normalisation
+    adv_clip: float = knob(2.5, gt=0)  # fused advantages clamped to +-adv_clip
+    local_components: List[str] = field(default_factory=lambda: ["adherence", "direction", "speed"])  # the fork segment's: segment<s>/<name> of the reward
+    global_components: List[str] = field(default_factory=lambda: [
+        "adherence", "direction", "speed", "identity", "teleport", "smoothness", "recovery", "anti_freeze"])  # the whole stream's reward components
+    old_sync_every: int = knob(2, ge=1)  # the rollout (old) policy takes the trained weights every n iterations
+    branch_batch: int = knob(0, ge=0)  # branches streamed / replayed together (each holds a KV cache); 0 = all
+
+
+class KVPO(Algorithm):
+    """KVPO on a streaming model (the package docstring): the rollout forks each prompt's stream into ``G`` routed
+    branches and one reference run sharing every noise draw; the update replays each branch under the unrouted
+    context (TVE), and applies PPO on the branch simplex with the KL to the initial policy.
+
+    Phases through the contract: :meth:`plan` (the chunk axis and one update unit per row), :meth:`make_rollout`
+    (the branched streams, :class:`BranchedRollout`, with the old policy), :meth:`local_advantages` (relative to each
+    group's reference run), :meth:`loss` (per micro-batch: the exact gradient of each group's loss for the branches it
+    holds), :meth:`end_iteration` (old-policy sync).
+    """
+
+    name = "kvpo"
+    config_class = KVPOConfig
+    streaming = True
+
+    def __init__(self, base_sigmas: torch.Tensor, **kwargs) -> None:
+        super().__init__(base_sigmas, **kwargs)
+        self.old = OldPolicy()
+        self.iterations_since_sync = 0
+        self._cache: dict[tuple, torch.Tensor] = {}
+
+    @classmethod
+    def check_config(cls, algo_cfg, sampler_cfg) -> list[str]:
+        if sampler_cfg.kernel != "cps":
+            return [f"algo=kvpo samples with the streaming model's own sampler: sampler.kernel={sampler_cfg.kernel!r} "
+                    "must be 'cps' (sampler=stream)"]
+        return []
+
+    # ------------------------------------------------------------------------------------------ phase 1
+    def plan(self, num_prompts: int, group_size: int, *, generator: torch.Generator | None = None):
+        rows = self._check_batch(num_prompts, group_size)
+        if group_size < 3:
+            raise ValueError(f"algo=kvpo needs trainer.group_size >= 3 (at least 2 routed branches + the reference "
+                             f"run), got {group_size}")
+        K, S = self.num_chunks, self.num_steps
+        sde = (self.base_sigmas[1:] > 0).expand(rows, K, S).clone()  # the sampler's re-noise steps (shared noise)
+        train = torch.zeros(rows, K, S, dtype=torch.bool)
+        train[:, 0, 0] = True  # one update unit per row: its branch (the reference rows weigh nothing)
+        return self._make_plan(self.base_sigmas, sde, train, group_size)
+
+    def trained_steps(self) -> tuple[int, str]:
+        return 1, ("algo=kvpo: one TVE replay per routed branch (the reference run of each group is the baseline, "
+                   "not trained)")
+
+    # ------------------------------------------------------------------------------------------ phase 2
+    def routing_plan(self, layout: dict, segments: Sequence[int], *, num_branches: int, seed: int, iteration: int,
+                     prompt_index: int) -> RoutingPlan:
+        """The routing plan of one stream (``segments``: its segment per block) with ``num_branches`` branches:
+        ``algo.routed_blocks`` blocks, or the most a stream's segments leave room for."""
+        bf = layout["block_frames"]
+        starts = [k * bf for k in range(1, len(segments)) if segments[k] != segments[k - 1]]
+        blocks = self.cfg.routed_blocks
+        while True:
+            try:
+                return plan_routing(len(segments) * bf, bf, layout["sink_frames"], layout["window_frames"],
+                                    num_branches=num_branches, routed_blocks=blocks, nearest_m=self.cfg.nearest_m,
+                                    seed=seed, iteration=iteration, prompt_index=prompt_index,
+                                    cache_frames=layout["cache_frames"], recache=layout.get("recache", False),
+                                    outside_window=self.cfg.outside_window,
+                                    segment_starts=starts)
+            except ValueError:
+                if blocks == 1:
+                    raise
+                blocks -= 1
+
+    def make_rollout(self, model: SamplingModel, **engine: Any) -> Rollout:
+        """Phase 2: the branched streams (:class:`BranchedRollout`), sampled with the old policy."""
+        return BranchedRollout(self, model, **engine)
+
+    # ------------------------------------------------------------------------------------------ phase 4
+    def local_advantages(self, batch: Batch) -> torch.Tensor:
+        G1 = batch.plan.group_size
+        G = G1 - 1
+        n = len(batch.prompts)
+        comps = {k: v.detach().double().cpu() for k, v in batch.components.items()}
+        missing = [c for c in self.cfg.global_components if c not in comps]
+        if missing:
+            raise KeyError(f"algo.global_components names {missing}, which the reward does not return (it returns "
+                           f"{sorted(comps)})")
+        adv = torch.zeros(n, dtype=torch.float32)
+        beats = []
+        for p in range(n // G1):
+            rows = torch.arange(p * G1, (p + 1) * G1)
+            seg = int(batch.extras["fork_segment"][p * G1])
+            signals = {}
+            for kind, names in (("local", [f"segment{seg}/{c}" for c in self.cfg.local_components]),
+                                ("global", list(self.cfg.global_components))):
+                values = {c: comps[c][rows] for c in names if c in comps and torch.isfinite(comps[c][rows]).all()}
+                if kind == "local" and self.cfg.local_components and not any(c in comps for c in names):
+                    raise KeyError(f"algo.local_components: the reward returns none of {names} (per-segment "
+                                   f"components, as reward=long_video's segment<k>/<name>)")
+                if values:
+                    signals[kind] = reference_relative_advantages({c: v[:G] for c, v in values.items()},
+                                                                  {c: v[G] for c, v in values.items()})
+            local = signals.get("local") if self.cfg.w_local > 0 else None
+            global_ = signals.get("global") if self.cfg.w_global > 0 else None
+            beats.append(any(s is not None and bool((s > 0).any()) for s in (local, global_)))
+            if local is None and global_ is None:
+                continue
+            adv[rows[:G]] = fuse_advantages(local, global_, w_local=self.cfg.w_local, w_global=self.cfg.w_global,
+                                            clip=self.cfg.adv_clip)
+        batch.extras["beats_reference"] = torch.tensor(beats)
+        return adv
+
+    # ------------------------------------------------------------------------------------------ phase 5
+    def replay_scores(self, ctx: UpdateContext, batch: Batch, rows: torch.Tensor, *, grad: bool) -> torch.Tensor:
+        """TVE scores ``[len(rows)]`` of branch rows, each replayed under the unrouted context from its pre-fork
+        state with the current ``ctx`` weights: the gradient flows through the first ``algo.grad_steps`` steps of
+        each replayed block (with ``grad``); between blocks the replay writes its own last prediction."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        size = self.cfg.branch_batch
+        if size and len(rows) > size:  # at most algo.branch_batch replays (and their KV caches) at a time
+            return torch.cat([self.replay_scores(ctx, batch, rows[i:i + size], grad=grad)
+                              for i in range(0, len(rows), size)])
+        sigmas = batch.plan.sigmas[:-1]
+        S = sigmas.shape[0]
+        forks = batch.extras["fork_block"][rows]
+        out = [None] * len(rows)
+        for f in forks.unique().tolist():
+            sel = (forks == f).nonzero().squeeze(1)
+            r = rows[sel]
+            plan = batch.extras["routing"][int(r[0]) // batch.plan.group_size]
+            count = self.cfg.replay_blocks or plan.blocks
+            blocks = list(range(f, min(f + count, self.num_chunks)))
+            G1 = batch.plan.group_size
+            cond = type(batch.extras["fork_cond"][0]).cat([batch.extras["fork_cond"][int(i) // G1] for i in r])
+            preds = []
+            for k in blocks:
+                steps = []
+                for j in range(S):
+                    x = batch.latents[r, k, j]
+                    with torch.set_grad_enabled(grad and j < self.cfg.grad_steps):
+                        v = ctx.velocity(x, float(sigmas[j]), cond)
+                        steps.append(x - float(sigmas[j]) * v.float())
+                preds.append(torch.stack(steps, 1))
+                if k != blocks[-1]:
+                    cond = ctx.commit(steps[-1].detach(), cond)
+            replay = torch.stack(preds, 1)  # [b, R, S, ...]
+            recorded = batch.extras["x0"][r][:, blocks].to(replay.device)
+            scores = tve_scores(replay, recorded, sigmas, self.cfg.sigma_floor)
+            for i, s in zip(sel.tolist(), scores):
+                out[i] = s
+        return torch.stack(out)
+
+    def _group_scores(self, ctx: UpdateContext, batch: Batch, group: int, which: str) -> torch.Tensor:
+        """No-grad TVE scores of a group's ``G`` branches under the old, initial or current weights, once per
+        (iteration, epoch, group) — the current ones also per optimizer update."""
+        key = (which, int(getattr(ctx, "iteration", 0)), int(getattr(ctx, "epoch", 0)), group,
+               int(getattr(ctx, "updates", 0)) if which == "current" else -1)
+        if key not in self._cache:
+            G1 = batch.plan.group_size
+            rows = torch.arange(group * G1, group * G1 + G1 - 1)
+            with torch.no_grad():
+                if which == "old":
+                    with self.old.swapped_in(ctx.params):
+                        scores = self.replay_scores(ctx, batch, rows, grad=False)
+                elif which == "init":
+                    with ctx.reference():
+                        scores = self.replay_scores(ctx, batch, rows, grad=False)
+                else:
+                    scores = self.replay_scores(ctx, batch, rows, grad=False)
+            self._cache[key] = scores.detach()
+        return self._cache[key]
+
+    def loss(self, ctx: UpdateContext, batch: Batch, rows: torch.Tensor,
+             steps: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        rows, steps = self._check_transitions(batch.plan, rows, steps)
+        G1 = batch.plan.group_size
+        G = G1 - 1
+        current_iteration = (int(getattr(ctx, "iteration", 0)), int(getattr(ctx, "epoch", 0)))
+        self._cache = {k: v for k, v in self._cache.items() if (k[1], k[2]) == current_iteration}
+        total, infos = None, []
+        groups = [g for g in sorted(set((rows // G1).tolist())) if bool(((rows // G1 == g) & (rows % G1 < G)).any())]
+        for group in groups:  # every weight swap (old policy, reference) before any graph is built
+            self._group_scores(ctx, batch, group, "old")
+            self._group_scores(ctx, batch, group, "init")
+            if int(((rows // G1 == group) & (rows % G1 < G)).sum()) < G:
+                self._group_scores(ctx, batch, group, "current")
+        for group in groups:
+            members = rows[(rows // G1 == group) & (rows % G1 < G)]
+            old = self._group_scores(ctx, batch, group, "old")
+            init = self._group_scores(ctx, batch, group, "init")
+            adv = batch.advantages[group * G1: group * G1 + G].detach().float().cpu()
+            beats = bool(batch.extras["beats_reference"][group])
+            live = self.replay_scores(ctx, batch, members, grad=True)
+            idx = (members % G1).tolist()
+            if len(members) == G:  # the whole group: its loss directly
+                order = torch.tensor(idx).argsort()
+                scores = live[order]
+                group_loss, info = kvpo_loss(scores, old.to(scores.device), init.to(scores.device),
+                                             adv.to(scores.device), clip_low=self.cfg.clip_low,
+                                             clip_high=self.cfg.clip_high, kl_coef=self.cfg.kl_beta,
+                                             any_branch_beats_reference=beats)
+            else:  # part of a group: d(loss)/d(score) at the current scores, times the scores held here
+                current = self._group_scores(ctx, batch, group, "current").clone().requires_grad_(True)
+                full, info = kvpo_loss(current, old, init, adv, clip_low=self.cfg.clip_low,
+                                       clip_high=self.cfg.clip_high, kl_coef=self.cfg.kl_beta,
+                                       any_branch_beats_reference=beats)
+                coef = torch.autograd.grad(full, current)[0].to(live.device)
+                group_loss = (coef[idx] * live).sum() + (full.detach() - (coef[idx] * live.detach()).sum())
+            total = group_loss if total is None else total + group_loss
+            infos.append(info)
+            with torch.no_grad():  # π of the group's branches at this update, for the gallery
+                scores = (live.detach().float().cpu()[torch.tensor(idx).argsort()] if len(members) == G
+                          else self._group_scores(ctx, batch, group, "current").float().cpu())
+                pi = batch.extras.setdefault("pi", torch.full((len(batch.prompts),), float("nan")))
+                pi[group * G1: group * G1 + G] = branch_log_policy(scores).exp()
+        if total is None:  # only reference runs in this micro-batch: nothing to train
+            zero = sum(p.sum() * 0.0 for p in ctx.params)
+            return zero, {}
+        info = {k: sum(float(i[k]) for i in infos) / len(infos) for k in infos[0]}
+        # the mean over groups of their losses, whatever the micro-batching: each micro-batch weighs its rows' share
+        return total / (len(rows) / G1), info
+
+    def gallery_columns(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """``kvpo/pi``: each branch's probability under the policy of the update's last loss (NaN for the reference
+        runs); ``kvpo/routed_from`` / ``kvpo/routed_to``: the pixel frames its routed blocks cover (NaN for the
+        reference runs); ``kvpo/branch``: the branch index (-1: the reference run)."""
+        n, G1 = len(batch.prompts), batch.plan.group_size
+        pi = batch.extras.get("pi", torch.full((n,), float("nan")))
+        start = torch.full((n,), float("nan"))
+        end = torch.full((n,), float("nan"))
+        branch = torch.tensor([-1.0 if r % G1 == G1 - 1 else float(r % G1) for r in range(n)])
+        t = batch.extras["temporal_factor"]  # the model's pixel frames per latent frame (the rollout recorded it)
+        for r in range(n):
+            if r % G1 != G1 - 1:
+                plan = batch.extras["routing"][r // G1]
+                # latent frame f holds pixel frames t·f - t + 1 .. t·f (frame 0: pixel 0)
+                start[r] = max(0, t * plan.fork_frame - t + 1)
+                end[r] = t * (plan.end_frame - 1)
+        return {"kvpo/pi": pi, "kvpo/routed_from": start, "kvpo/routed_to": end, "kvpo/branch": branch}
+
+    def gallery_notes(self, batch: Batch) -> list[list[str]]:
+        """``branch g  pi 0.312  routed 13-20`` for a branch, ``reference run`` for the unrouted one."""
+        columns = self.gallery_columns(batch)
+        notes = []
+        for r in range(len(batch.prompts)):
+            g = int(columns["kvpo/branch"][r])
+            if g < 0:
+                notes.append(["reference run"])
+                continue
+            pi = float(columns["kvpo/pi"][r])
+            notes.append([f"branch {g}"] + ([] if math.isnan(pi) else [f"pi {pi:.3f}"])
+                         + [f"routed {int(columns['kvpo/routed_from'][r])}-{int(columns['kvpo/routed_to'][r])}"])
+        return notes
+
+    def gallery_marks(self, batch: Batch) -> torch.Tensor:
+        """Each group's routed pixel frames (``kvpo/routed_from`` .. ``kvpo/routed_to``), on its reference run too:
+        there they are the same frames generated unrouted, so a group's rows show the same frames side by side."""
+        columns = self.gallery_columns(batch)
+        G1 = batch.plan.group_size
+        marks = torch.stack([columns["kvpo/routed_from"], columns["kvpo/routed_to"]], dim=1)
+        for r in range(G1 - 1, len(batch.prompts), G1):
+            marks[r] = marks[r - 1]
+        return marks
+
+    def end_iteration(self, ctx: UpdateContext | None = None) -> None:
+        """Sync the rollout (old) policy with the trained weights every ``algo.old_sync_every`` iterations."""
+        if ctx is None:
+            return
+        self.iterations_since_sync += 1
+        if self.iterations_since_sync >= self.cfg.old_sync_every:
+            self.old.move(ctx.params)
+            self.iterations_since_sync = 0
+        self._cache = {}
+
+    @contextlib.contextmanager
+    def sampling_policy(self, ctx: UpdateContext) -> Iterator[None]:
+        """Rollouts stream with the old policy."""
+        with self.old.swapped_in(ctx.params):
+            yield
+
+    def state_dict(self) -> dict:
+        return {"old": self.old.state_dict(), "iterations_since_sync": self.iterations_since_sync}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.old.load_state_dict(state.get("old"))
+        self.iterations_since_sync = int(state.get("iterations_since_sync", 0))
+        self._cache = {}  # scores of weights the loaded state may no longer hold
+
+    def describe(self) -> str:
+        c = self.cfg
+        return (f"kvpo (KVPO): {self.num_chunks} blocks × {self.num_steps} steps; groups of branches + 1 reference "
+                f"run with shared noise, {c.routed_blocks} routed blocks (nearest {c.nearest_m}), TVE replay of "
+                f"{c.replay_blocks or c.routed_blocks} blocks (gradient through {c.grad_steps} steps each), clip "
+                f"[{1 - c.clip_low:g}, {1 + c.clip_high:g}], KL to the initial policy {c.kl_beta:g}, advantages "
+                f"local {c.w_local:g} + global {c.w_global:g} (clip ±{c.adv_clip:g}), old policy synced every "
+                f"{c.old_sync_every} iterations")

@@ -1,0 +1,159 @@
+"""KVPO's rollout: each prompt's unrouted reference run, and its branches forked from it with routed context
+(:class:`BranchedRollout`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from samplers import stream_rollout
+
+from ...rollout import Rollout, SamplingModel
+from ...seeding import ALGO_STREAM, seeded_generator
+from ..base import Batch
+from .routing import stacked_route_fn
+
+if TYPE_CHECKING:
+    from .algorithm import KVPO
+
+__all__ = ["BranchedRollout"]
+
+
+class BranchedRollout(Rollout):
+    """KVPO's rollout (:meth:`KVPO.make_rollout`): each group's reference run (its last row) streams the whole video
+    unrouted; its ``G`` branches start from its state at the group's fork block and continue with the same noise
+    draws, routed during the plan's blocks. So every branch's blocks before the fork are the reference run's
+    (copied, computed once) and a branch differs from it only by what its routed blocks attended (and, after the
+    fork, by the float rounding of another batch).
+
+    Records every block's step inputs (``latents``) and clean predictions (``extras["x0"]``), and each group's
+    state before its fork (``extras["fork_cond"]``: the replay starts there). Only those states are kept, not one
+    per block: at Wan2.1-1.3B size a block's KV cache is gigabytes. Branches stream ``algo.branch_batch`` at a time
+    (each holds a KV cache).
+
+    The velocity is the one the update replays with (the training guidance: ``algo.cfg_in_training``), so a
+    branch's replay under its own routing reproduces what it recorded. The draws (routing plans, initial noise and
+    re-noise) come from the generators an update context gives at inner epoch 0,
+    ``(trainer.seed, ALGO_STREAM, iteration, 0, prompt index, k)``.
+
+    Args:
+        algorithm: the :class:`KVPO` whose plans it samples (its routing options and ``routing_plan``).
+        model, seed, batch_size, between_chunks: :class:`~flowgrpo.rollout.Rollout`'s (the branches are batched by
+            ``algo.branch_batch``, not ``batch_size``).
+    """
+
+    def __init__(self, algorithm: "KVPO", model: SamplingModel, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        self.algorithm = algorithm
+
+    def _stream(self):
+        adapter = self.model.adapter
+        if not getattr(adapter, "chunked", False):
+            raise TypeError(f"{type(adapter).__name__} is not a streaming model (model.family=causal_wan)")
+        return adapter
+
+    def layout(self) -> dict[str, Any]:
+        """The streaming model's geometry: ``block_frames``, ``sink_frames``, ``window_frames``, ``cache_frames``,
+        ``recache``."""
+        c = self._stream().config
+        return {"block_frames": c.block_frames, "sink_frames": c.sink_frames, "window_frames": c.window_frames,
+                "cache_frames": c.cache_frames, "recache": c.recache}
+
+    def _generator(self, iteration: int, *keys: int) -> torch.Generator:
+        return seeded_generator(self.seed, ALGO_STREAM, iteration, 0, *keys)
+
+    @torch.no_grad()
+    def __call__(self, batch: Batch, iteration: int) -> Batch:
+        algo = self.algorithm
+        adapter = self._stream()
+        plan = batch.plan
+        G1 = plan.group_size
+        G = G1 - 1
+        layout = self.layout()
+        if layout["window_frames"] is None:
+            raise ValueError("algo=kvpo routes the frames outside a block's window: the model needs a window "
+                             "(model.stream.window_frames)")
+        training = algo.cfg.cfg_in_training
+        velocity_of = self.model.velocity_fn(None, guidance=None if training else {"guidance_scale": 1.0})
+        n = len(batch.prompts)
+        groups = n // G1
+        K, S = algo.num_chunks, algo.num_steps
+        segments = batch.cond.segments
+        plans, forks = [], []
+        for p in range(groups):
+            gid = int(batch.global_rows[p * G1]) // G1
+            # the draw depends on the run's seed, the iteration and the prompt's global index alone
+            seed = int(torch.randint(2**31 - 1, (1,), generator=self._generator(iteration, gid, 1)))
+            rp = algo.routing_plan(layout, segments[p * G1].tolist(), num_branches=G, seed=seed,
+                                   iteration=int(iteration), prompt_index=gid)
+            plans.append(rp)
+            forks.append(rp.fork_frame // layout["block_frames"])
+        # common random numbers: one draw of every noise per prompt, for all its rows
+        gens = [self._generator(iteration, int(batch.global_rows[p * G1]) // G1, 0) for p in range(groups)]
+        noise = self.model.noise(len(gens), gens)  # [groups, K, C, F, h, w]
+        renoise = torch.stack([torch.randn((K, S - 1, *noise.shape[2:]), generator=g) for g in gens]).to(noise.device)
+        sigmas = plan.sigmas[:-1]
+
+        # the reference runs, one per group, unrouted from the first block to the last
+        ref_rows = torch.arange(groups) * G1 + G
+        current = [batch.cond[ref_rows]]  # the reference runs' state before the block being made
+        at_fork = {0: current[0]} if 0 in forks else {}  # ... kept at the blocks where some group forks
+
+        def ref_velocity(x, sigma, k):
+            return velocity_of(x, sigma, current[0])
+
+        def ref_commit(x0, k):
+            if k + 1 < K:
+                current[0] = adapter.commit(x0, current[0])
+                if k + 1 in forks:
+                    at_fork[k + 1] = current[0]
+
+        ref = stream_rollout(ref_velocity, ref_commit, noise, renoise, sigmas)
+        inputs = ref.inputs.repeat_interleave(G1, 0)  # every row starts as its reference run ...
+        x0 = ref.x0.repeat_interleave(G1, 0)
+        log_probs = ref.log_probs.repeat_interleave(G1, 0)
+        # ... and the branches take over from their fork, block by block, at most algo.branch_batch rows at a time
+        # (each holds a KV cache); within a chunk, rows join at their own group's fork
+        order = sorted((p * G1 + g for p in range(groups) for g in range(G)), key=lambda r: (forks[r // G1], r))
+        size = algo.cfg.branch_batch or len(order)
+        for chunk in (order[i:i + size] for i in range(0, len(order), size)):
+            active: list[int] = []  # branch rows being streamed, in the order of `cond`
+            cond = None
+            for k in range(forks[chunk[0] // G1], K):
+                joining = [r for r in chunk if forks[r // G1] == k]
+                if joining:
+                    start = at_fork[k][torch.tensor([r // G1 for r in joining])]
+                    cond = start if cond is None else type(start).cat([cond, start])
+                    active += joining
+                idx = torch.tensor(active)
+                route = stacked_route_fn([plans[r // G1] for r in active], [r % G1 for r in active])
+                state = [cond]
+
+                def velocity(x, sigma, _k):
+                    with adapter.wan.routed(route):
+                        return velocity_of(x, sigma, state[0])
+
+                def commit(x0_k, _k):
+                    if _k + 1 < K:
+                        with adapter.wan.routed(route):
+                            state.append(adapter.commit(x0_k, state[0]))
+
+                groups_of = idx // G1
+                part = stream_rollout(velocity, commit, noise[groups_of, k:k + 1], renoise[groups_of, k:k + 1],
+                                      sigmas, start_block=k)
+                inputs[idx, k], x0[idx, k], log_probs[idx, k] = part.inputs[:, 0], part.x0[:, 0], part.log_probs[:, 0]
+                cond = state[-1]
+        batch.latents = torch.cat([inputs, x0[:, :, -1:]], dim=2)
+        batch.final = batch.latents[:, :, -1]
+        batch.log_probs = torch.cat([log_probs, torch.zeros_like(log_probs[:, :, :1])], dim=2)
+        batch.chunk_conds = None
+        batch.nfe = (groups * K + G * sum(K - f for f in forks)) * S
+        fork_rows = torch.tensor([forks[r // G1] for r in range(n)], dtype=torch.long)
+        batch.extras = {"x0": x0, "routing": plans, "fork_block": fork_rows,
+                        "fork_segment": segments[torch.arange(n), fork_rows],
+                        "fork_cond": [at_fork[f][p] for p, f in enumerate(forks)],
+                        "temporal_factor": adapter.temporal_factor}
+        return batch
+
