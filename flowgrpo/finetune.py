@@ -115,7 +115,7 @@ def optimizer_state(transformer: torch.nn.Module, optimizer: torch.optim.Optimiz
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
+    inner = torch_optimizer(optimizer)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_optimizer_state_dict(transformer, inner, options=options)
 
@@ -137,7 +137,7 @@ def load_optimizer_state(transformer: torch.nn.Module, optimizer: torch.optim.Op
 
         if not by_name:
             state = _rekey_optimizer_state(state, names)
-        inner = getattr(optimizer, "optimizer", optimizer)
+        inner = torch_optimizer(optimizer)
         set_optimizer_state_dict(transformer, inner, state, options=StateDictOptions(full_state_dict=True))
         return
     if by_name:
@@ -204,7 +204,7 @@ class EMA:
         if len(state["shadow"]) != len(self.shadow):
             raise ValueError("EMA state does not match the trainable parameters")
         self.decay = state["decay"]
-        self.shadow = [_like(s.to(_local(p).device).float(), p) for s, p in zip(state["shadow"], self.params)]
+        self.shadow = [_like(s.to(local_shard(p).device).float(), p) for s, p in zip(state["shadow"], self.params)]
 
 
 def _full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -213,10 +213,17 @@ def _full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of a sharded (FSDP's ``DTensor``) tensor, or the tensor itself; under ``no_grad`` it is the
+    tensor the ``DTensor`` holds, so writing into it writes the shard."""
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def torch_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer under accelerate's ``AcceleratedOptimizer`` wrapper (the one that owns ``state``)."""
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def _like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

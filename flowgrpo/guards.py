@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .finetune import gathers_state
+from .finetune import gathers_state, local_shard, torch_optimizer
 
 if TYPE_CHECKING:
     from .algorithms import Batch
@@ -68,17 +68,6 @@ def degenerate_flags(samples: torch.Tensor, max_side: int = 128) -> torch.Tensor
     stride = max(1, min(samples.shape[-2:]) // max_side)
     flags = degenerate(samples[..., ::stride, ::stride].detach().cpu())
     return torch.tensor([flag is not None for flag in flags], dtype=torch.float32)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This process's part of a sharded (FSDP's ``DTensor``) tensor, or the tensor itself; under ``no_grad`` it is the
-    tensor the ``DTensor`` holds, so writing into it writes the shard."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _inner(optimizer):
-    """The torch optimizer under accelerate's wrapper (whose ``state`` it owns)."""
-    return getattr(optimizer, "optimizer", optimizer)
 
 
 #: forward fits already measured, by model set-up (the tests build many trainers of one model)
@@ -279,14 +268,14 @@ class Guards:
         host = self.cfg.model.finetune != "lora"
 
         def keep(t: torch.Tensor) -> torch.Tensor:
-            t = _local(t).detach()
+            t = local_shard(t).detach()
             return t.to("cpu", copy=True) if host else t.clone()
 
         with torch.no_grad():
-            return {"norm2": sum(_local(p).detach().double().pow(2).sum().to(self.device) for p in self.params),
+            return {"norm2": sum(local_shard(p).detach().double().pow(2).sum().to(self.device) for p in self.params),
                     "params": [keep(p) for p in self.params],
                     "optimizer": {p: {k: keep(v) if torch.is_tensor(v) else copy.deepcopy(v) for k, v in s.items()}
-                                  for p, s in _inner(self.optimizer).state.items()}}
+                                  for p, s in torch_optimizer(self.optimizer).state.items()}}
 
     def _undo_if_diverged(self, before: dict | None) -> float | None:
         """None when the step stays; else the ratio ``||Δθ|| / ||θ||`` of the step just taken, which exceeded
@@ -297,7 +286,7 @@ class Guards:
         with torch.no_grad():
             norms = torch.stack([
                 before["norm2"],
-                sum((_local(p).detach().double() - c.to(_local(p).device).double()).pow(2).sum().to(self.device)
+                sum((local_shard(p).detach().double() - c.to(local_shard(p).device).double()).pow(2).sum().to(self.device)
                     for p, c in zip(self.params, before["params"]))])
             if gathers_state(self.acc):
                 norms = self.acc.reduce(norms, reduction="sum")
@@ -307,8 +296,8 @@ class Guards:
             return None
         with torch.no_grad():
             for p, c in zip(self.params, before["params"]):
-                _local(p).copy_(c)
-            state = _inner(self.optimizer).state
+                local_shard(p).copy_(c)
+            state = torch_optimizer(self.optimizer).state
             for p in [p for p in state if p not in before["optimizer"]]:
                 del state[p]  # state the undone step created (its first): gone, as before it
             for p, saved in before["optimizer"].items():
@@ -317,7 +306,7 @@ class Guards:
                     del live[k]
                 for k, v in saved.items():
                     if torch.is_tensor(v) and torch.is_tensor(live.get(k)):
-                        _local(live[k]).copy_(v)
+                        local_shard(live[k]).copy_(v)
                     else:
                         live[k] = v
         return ratio if math.isfinite(ratio) else float("inf")
