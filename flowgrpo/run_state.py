@@ -33,7 +33,8 @@ from omegaconf import OmegaConf
 
 from .checkpoint import (CheckpointManager, atomic_write_text, capture_rng_state, find_runs, restore_rng_state,
                          resume_config_changes, save_lora_weights, save_transformer_weights)
-from .finetune import gathers_state, load_optimizer_state, load_trainable_state, optimizer_state, trainable_state
+from .finetune import (gathers_state, load_optimizer_state, load_trainable_state, optimizer_state, torch_optimizer,
+                       trainable_state)
 from .runlog import log
 
 __all__ = ["RunState"]
@@ -239,15 +240,37 @@ class RunState:
                                f"under {search}")
 
     # ------------------------------------------------------------------ crash
-    def _before_weights_change(self) -> None:
-        """Called before each optimizer step: the first one of an iteration keeps a host copy of the LoRA weights,
-        optimizer and EMA, so an error later in the iteration can still checkpoint the last completed one. Not for
-        full fine-tuning (the copy would cost the model's size again) nor under FSDP (gathering is a collective)."""
+    def _before_weights_change(self, before: dict | None = None) -> None:
+        """Called before each optimizer step with the update guard's pre-step copy (``before``, None when
+        ``trainer.max_update_ratio`` is off): the first step of an iteration keeps the trained weights, optimizer and
+        EMA as they were, so an error later in the iteration can still checkpoint the last completed one. LoRA takes
+        host copies here (they are small). Full fine-tuning reuses the guard's host copy of the weights and the
+        optimizer (plus a host copy of the EMA when it is on), held until the iteration ends; with the guard off it
+        keeps nothing (a second copy of the model would be the price). Not under FSDP (gathering is a collective)."""
         if self._snapshot is None or self._weights_touched:
             return
         self._weights_touched = True
-        if self.cfg.model.finetune == "lora" and self.acc.is_main_process and not gathers_state(self.acc):
+        if not self.acc.is_main_process or gathers_state(self.acc):
+            return
+        if self.cfg.model.finetune == "lora":
             self._weights_snapshot = self._weights_state()
+        elif before is not None:
+            self._weights_snapshot = self._weights_from_step_copy(before)
+
+    def _weights_from_step_copy(self, before: dict) -> dict[str, Any]:
+        """:meth:`_weights_state`'s layout built from the update guard's host copies (``Guards._pre_step_copy``):
+        ``trainable`` by parameter name, ``optimizer`` in ``torch.optim.Optimizer.state_dict`` form."""
+        names = [n for n, p in self.unwrapped.named_parameters() if p.requires_grad]
+        if len(names) != len(before["params"]):
+            raise RuntimeError(f"the update guard copied {len(before['params'])} tensors for {len(names)} trained "
+                               "parameters")
+        inner = torch_optimizer(self.optimizer)
+        live = inner.state_dict()  # param_groups with integer parameter ids; its state is replaced by the copies
+        index = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
+        optimizer = {"state": {index[id(p)]: s for p, s in before["optimizer"].items()},
+                     "param_groups": copy.deepcopy(live["param_groups"])}
+        return {"trainable": dict(zip(names, before["params"])), "optimizer": optimizer,
+                "ema": None if self.ema is None else _cpu_copy(self.ema.state_dict())}
 
     @contextlib.contextmanager
     def _crash_guard(self, bar=None):
@@ -329,8 +352,8 @@ class RunState:
         if light is None:  # between iterations: the live state is the last completed iteration's
             return self._write_checkpoint(self.state_dict(), False), None
         if self._weights_touched and self._weights_snapshot is None:
-            return None, ("the error came after this iteration's first optimizer step and full fine-tuning keeps "
-                          "no copy of the weights before it")
+            return None, ("the error came after this iteration's first optimizer step and full fine-tuning with "
+                          "trainer.max_update_ratio=null keeps no copy of the weights before it")
         weights = self._weights_snapshot if self._weights_touched else self._weights_state()
         state = {**light, **weights, "config": OmegaConf.to_container(self.cfg, resolve=True)}
         return self._write_checkpoint(state, False), None

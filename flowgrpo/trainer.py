@@ -399,8 +399,8 @@ class Trainer(RunState, HeldOut, Guards):
                             # non-finite loss counts here
                             finite_grad = math.isfinite(info["grad_norm"]) or self.acc.scaler is not None
                             if self._agree_finite(window_finite and finite_grad):
-                                self._before_weights_change()
                                 before = self._pre_step_copy()
+                                self._before_weights_change(before)
                                 self.optimizer.step()
                                 ratio = self._undo_if_diverged(before)
                                 if ratio is None:

@@ -318,6 +318,54 @@ def test_an_exception_checkpoints_the_last_iteration_and_resuming_equals_an_unin
     assert _rows(metrics) == uninterrupted["metrics"]
 
 
+FULL = ["model.finetune=full", "trainer.lr=1e-3", "trainer.ema.enabled=true"]
+
+
+def _fail_after_first_update(trainer: Trainer) -> None:
+    """The update of iteration 2 raises once its first optimizer step is done (2 inner epochs, 1 update each)."""
+    loss_fn, calls = trainer.algorithm.loss, {"n": 0}
+
+    def loss(ctx, batch, rows, steps):
+        if ctx.iteration == 1:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise ConnectionError("reward server down")
+        return loss_fn(ctx, batch, rows, steps)
+
+    trainer.algorithm.loss = loss
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_full_fine_tuning_checkpoints_the_last_iteration_from_the_update_guards_copy(tmp_path, capsys):
+    """Full fine-tuning (with an EMA): an error after iteration 2's first optimizer step still checkpoints iteration
+    1, built from the host copy the update guard (trainer.max_update_ratio) took before that step, and resuming from
+    it finishes exactly as a run that never failed. With the guard off no copy exists: no crash checkpoint, and
+    summary.json says why."""
+    straight = make(tmp_path / "straight", *CRASH, *FULL)
+    straight.fit()
+    trainer = make(tmp_path / "run", *CRASH, *FULL)
+    _fail_after_first_update(trainer)
+    with pytest.raises(ConnectionError, match="reward server down"):
+        trainer.fit()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["iterations"] == 1 and summary["checkpoint"].endswith("checkpoint-000001")
+    resumed = make(tmp_path / "run", *CRASH, *FULL, "trainer.resume=auto")
+    capsys.readouterr()
+    assert resumed.fit()["updates"] == straight.updates
+    assert "trainer.resume=auto: resumed from" in capsys.readouterr().out
+    assert all(torch.equal(a, b) for a, b in zip(weights(resumed), weights(straight)))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.ema.shadow, straight.ema.shadow))
+    assert _rows(resumed.history) == _rows(straight.history)
+
+    off = make(tmp_path / "off", *CRASH, *FULL, "trainer.max_update_ratio=null")
+    _fail_after_first_update(off)
+    with pytest.raises(ConnectionError, match="reward server down"):
+        off.fit()
+    summary = json.loads((tmp_path / "off" / "summary.json").read_text())
+    assert summary["checkpoint"] is None and "trainer.max_update_ratio=null keeps no copy" in summary["note"]
+    assert summary["resume_from"] is None  # no periodic checkpoint either (trainer.checkpoint_every=0)
+
+
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("eval_before", [False, True], ids=["nothing_done", "baseline_evaluated"])
 def test_an_exception_before_anything_is_done_leaves_no_checkpoint_to_resume(tmp_path, eval_before):
