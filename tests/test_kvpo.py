@@ -520,3 +520,57 @@ def test_protection_halves_the_loss_exactly():
     assert abs(1 - torch.softmax(logits, 0)[-1].item() - 0.5) < 1e-15
     with pytest.raises(ValueError, match="advantages"):
         kvpo_loss(scores, old, init, adv[:3], any_branch_beats_reference=True)
+
+
+# KVPO at LongLive's geometry (blocks of 3 latent frames, sink 3, window 9 with the block, a 33-frame cache, 5
+# routed blocks, nearest 1; 147 latent frames with prompt switches at 39, 75 and 111; conf/experiment/kvpo_longlive.yaml)
+LONGLIVE = dict(block_frames=3, sink_frames=3, window_frames=9, cache_frames=33)
+LONGLIVE_FRAMES, LONGLIVE_SWITCHES = 147, (39, 75, 111)
+
+
+@torch.no_grad()
+def test_every_fork_at_longlives_geometry_streams_through_its_re_caches():
+    """Every fork ``plan_routing`` lists as eligible at LongLive's geometry streams a branch through all three
+    re-caches on a tiny float64 model (a re-cache re-encodes unrouted, so frames a re-cache drops are never asked
+    for), including the forks whose routed blocks end where a switch's re-cache starts re-writing them; before the
+    fork the branch is the unrouted stream, in its routed blocks it is not."""
+    b, s, w, cap = (LONGLIVE[k] for k in ("block_frames", "sink_frames", "window_frames", "cache_frames"))
+    frames = LONGLIVE_FRAMES
+    common = dict(num_branches=2, routed_blocks=5, nearest_m=1, seed=0, cache_frames=cap, recache=True,
+                  segment_starts=list(LONGLIVE_SWITCHES))
+    forks = plan_routing(frames, b, s, w, **common).eligible_forks
+    wan = CausalWan(tiny_wan(rope_max_seq_len=256, layers=1), **LONGLIVE)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, C, frames, H, W, generator=g, dtype=F64)
+    texts = torch.randn(len(LONGLIVE_SWITCHES) + 1, 1, 5, 16, generator=g, dtype=F64)
+    t = torch.full((1,), 500.0, dtype=F64)
+
+    def stream(route, stop):
+        wan.reset()
+        outs = []
+        with wan.routed(route):
+            for f in range(0, stop, b):
+                text = texts[sum(f >= sw for sw in LONGLIVE_SWITCHES)]
+                outs.append(wan(x[:, :, f:f + b], t, text, frame_offset=f))
+                wan.write(x[:, :, f:f + b], text, frame_offset=f)
+                if f + b in LONGLIVE_SWITCHES:
+                    start = wan.recache_start(f + b)
+                    wan.recache(x[:, :, start:f + b], texts[sum(f + b >= sw for sw in LONGLIVE_SWITCHES)],
+                                frame_offset=start)
+        return torch.cat(outs, 2)
+
+    def next_switch(fork):  # the first switch at or after the routed span's end
+        return min((sw for sw in LONGLIVE_SWITCHES if sw >= fork + 5 * b), default=None)
+
+    # the forks whose routed frames the next switch's re-cache re-writes (6 of 22), and the first and last fork
+    rewrites = [f for f in forks if next_switch(f) is not None and wan.recache_start(next_switch(f)) < f + 5 * b]
+    assert len(forks) == 22 and len(rewrites) == 6
+    for fork in sorted({forks[0], forks[-1], *rewrites}):
+        plan = plan_routing(frames, b, s, w, min_fork_frame=fork, max_fork_frame=fork, **common)
+        assert plan.fork_frame == fork
+        nxt = next_switch(fork)
+        stop = min(frames, (nxt or frames) + 2 * b)  # through the next switch's re-cache and two blocks past it
+        branch = stream(route_fn(plan, 0), stop)
+        unrouted = stream(None, stop)
+        assert diff(branch[:, :, :fork], unrouted[:, :, :fork]) == 0
+        assert diff(branch[:, :, fork:plan.end_frame], unrouted[:, :, fork:plan.end_frame]) > 1e-6

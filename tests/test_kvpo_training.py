@@ -269,3 +269,36 @@ def test_loading_a_state_forgets_the_scores_of_the_old_policy_it_replaces(rolled
             for p, v in zip(trainer.params, saved):
                 p.copy_(v)
         algo.load_state_dict(kept)
+
+
+def test_a_re_caching_model_streams_branches_whose_routed_blocks_a_switch_re_writes(tmp_path):
+    """``model.stream.recache=true`` (LongLive's re-cache at prompt switches) on the guidance-free model: the
+    branched rollout runs through forks whose routed blocks end at a switch, where the re-cache re-writes them
+    under the new prompt (it re-encodes unrouted, so it never asks for frames it dropped). The branches keep the
+    reference run's blocks before the fork and differ from it in the routed ones."""
+    import json
+
+    streams = [json.loads(line) for line in (Path(CONF).parent / "assets/prompts/streams_train.jsonl").open()]
+    one_switch = [s for s in streams if [seg["start"] for seg in s["segments"]] == [0, 25]]  # latent frame 7
+    assert len(one_switch) >= 2
+    train = tmp_path / "streams.jsonl"
+    train.write_text("".join(json.dumps(s) + "\n" for s in one_switch))
+    trainer = make_trainer(tmp_path / "run", "model=causal_wan_shapes_4step", "model.stream.recache=true",
+                           f"data.train_file={train}", "trainer.prompts_per_iteration=1",
+                           "trainer.train_batch_size=3", "algo.routed_blocks=1")
+    wan = trainer.adapter.wan
+    # blocks of 1 frame, sink 1, window 4: the one fork whose routed block ends at the switch (frame 7) is 6, whose
+    # pool [1, 3) just holds the 2 older frames a branch routes to; drawn uniformly among the eligible forks
+    for iteration in range(40):
+        batch = trainer.rollout(trainer.plan(iteration), iteration)
+        plan = batch.extras["routing"][0]
+        if plan.end_frame == 7:
+            break
+    else:
+        pytest.fail("no rollout in 40 iterations forked right before the switch")
+    assert wan.recache_start(7) < plan.end_frame  # the switch's re-cache re-wrote routed frames
+    fork = plan.fork_frame
+    assert torch.isfinite(batch.latents).all()
+    for r in (0, 1):
+        assert torch.equal(batch.latents[r, :fork], batch.latents[2, :fork])
+        assert not torch.equal(batch.latents[r, fork:plan.end_frame], batch.latents[2, fork:plan.end_frame])
