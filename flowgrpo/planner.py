@@ -53,6 +53,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .config import STREAM_FAMILY
 from .context import TrainerContext
 
 __all__ = ["GPU", "GPUS", "MemoryTracker", "fake_mode", "flop_counter", "arch_dir", "build_pipeline",
@@ -314,6 +315,10 @@ class MemoryTracker(TorchDispatchMode):
             from torch._subclasses.fake_tensor import FakeTensor
 
             inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+                # a value read back from a fake tensor (a loss term logged as a float): it has none; 0 stands in,
+                # and the tiny-size tests check that no shape or cost of a plan depended on one
+                return False if args[0].dtype == torch.bool else 0
             if any(isinstance(a, FakeTensor) for a in inputs):
                 if func in _INDEX_OPS and len(args) > 1:  # a real boolean mask: its indices are known, use them
                     args = (args[0], _mask_indices(args[1]), *args[2:])
@@ -324,7 +329,9 @@ class MemoryTracker(TorchDispatchMode):
             else:  # a factory: real when small
                 out = func(*args, **kwargs)
                 outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-                if outs and all(t.numel() <= self.small_real for t in outs):
+                # made fake and small: made again, real (once: a draw made real already, inside _real(), is kept, or
+                # a generator would advance twice and a random plan differ from the real run's)
+                if outs and all(isinstance(t, FakeTensor) and t.numel() <= self.small_real for t in outs):
                     with _real():
                         out = func(*args, **kwargs)
         for t in torch.utils._pytree.tree_leaves(out):
@@ -485,9 +492,8 @@ def _build_component(folder: Path, library: str, cls_name: str, dtype: torch.dty
 def build_pipeline(model: DictConfig):
     """The pipeline of ``model`` (a ``model`` config node) with every component built from its config, in
     ``model.torch_dtype`` (the VAE in ``model.vae_dtype``), as ``from_pretrained`` would load it. Call inside
-    :func:`fake_mode` for a real-size model."""
-    import diffusers
-
+    :func:`fake_mode` for a real-size model. A streaming model (``model.family=causal_wan``) is a
+    :class:`~flowgrpo.models.StreamingWanPipeline` (:func:`build_stream_pipeline`)."""
     from .models.load import parse_dtype
 
     dtype = parse_dtype(model.torch_dtype)
@@ -506,11 +512,25 @@ def build_pipeline(model: DictConfig):
             if model.vae_dtype:
                 pipe.vae.to(parse_dtype(model.vae_dtype))
         return pipe
-    root = arch_dir(str(model.pretrained))
+    if str(model.family) == STREAM_FAMILY:
+        return build_stream_pipeline(model)
+    pipe = _assemble(arch_dir(str(model.pretrained)), model, dtype)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _assemble(root: Path, model: DictConfig, dtype: torch.dtype, **given):
+    """The pipeline ``root/model_index.json`` describes, every component built from its config but those ``given``."""
+    import inspect
+
+    import diffusers
+
+    from .models.load import parse_dtype
+
     index = _read(root / "model_index.json")
-    components, extras = {}, {}
+    components, extras = dict(given), {}
     for name, value in index.items():
-        if name.startswith("_"):
+        if name.startswith("_") or name in given:
             continue
         if isinstance(value, list) and len(value) == 2:
             if value[0] is None:
@@ -521,14 +541,28 @@ def build_pipeline(model: DictConfig):
         else:
             extras[name] = value
     pipeline_cls = getattr(diffusers, index["_class_name"])
-    import inspect
-
     accepted = inspect.signature(pipeline_cls.__init__).parameters
     components = {k: v for k, v in components.items() if k in accepted}
     extras = {k: v for k, v in extras.items() if k in accepted}
-    pipe = pipeline_cls(**components, **extras)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return pipeline_cls(**components, **extras)
+
+
+def build_stream_pipeline(model: DictConfig):
+    """A streaming model's pipeline (``model.family=causal_wan``) without its weights: the text encoder and VAE of
+    ``model.pretrained``'s architecture, the transformer built as the streaming loader builds it
+    (:func:`~flowgrpo.models.build_streaming_wan_transformer`: the loader's module, every tensor in the dtype a
+    checkpoint would be loaded in), made causal with ``model.stream`` as :func:`~flowgrpo.models.load_stream_pipeline`
+    does (:func:`~flowgrpo.models.stream_load.stream_pipeline_of`). Call inside :func:`fake_mode` for a real-size
+    model: the streaming checkpoints (``model.stream.checkpoint``) are never read."""
+    from .models.load import parse_dtype
+    from .models.stream_load import stream_pipeline_of
+    from .models.wan_checkpoints import build_streaming_wan_transformer
+
+    root = arch_dir(str(model.pretrained))
+    dtype = parse_dtype(model.torch_dtype)
+    transformer = build_streaming_wan_transformer(_read(root / "transformer" / "config.json"), torch_dtype=dtype)
+    pipe = _assemble(root, model, dtype, transformer=transformer)
+    return stream_pipeline_of(pipe, model)
 
 
 # ----------------------------------------------------------------------------------------------- reports
@@ -698,7 +732,7 @@ def _module_table(components: dict[str, torch.nn.Module]) -> list[dict]:
 
 def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", launcher: str | None = None,
              mfu: float = 0.4, fake: bool = True, build=None, phases: tuple[str, ...] = ("rollout", "update", "eval"),
-             label: str = "") -> RunPlan:
+             label: str = "", switch_frames: tuple[int, ...] | None = None) -> RunPlan:
     """Plan one iteration of the run ``cfg`` on one of ``num_processes`` GPUs.
 
     Args:
@@ -712,11 +746,13 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
             size).
         build: ``build(model_cfg) -> pipeline``; default :func:`build_pipeline`.
         phases: which phases to run, in order (``rollout`` includes encoding and scoring).
+        switch_frames: a streaming model's prompt switches (pixel frames) in the streams it plans when the run's
+            prompt file (``data.train_file``) is not at hand; ``None``: the file's first streams, else one segment.
     """
     from .build import batch_plan, build_sampler, model_kwargs
     from .algorithms import Batch, build_algorithm
     from .finetune import EMA, frozen_reference, prepare_trainable
-    from .models import FlowAdapter
+    from .models import FlowAdapter, StreamAdapter
     from .rollout import SamplingModel
 
     t0 = time.time()
@@ -725,9 +761,7 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
     launcher = launcher or ("ddp" if num_processes > 1 else "single")
     if launcher not in ("ddp", "fsdp", "single"):
         raise ValueError(f"launcher={launcher!r}: ddp, fsdp or single")
-    if cfg.model.family == "causal_wan":
-        raise NotImplementedError("streaming models (model.family=causal_wan) are not planned yet: their KV caches "
-                                  "and KVPO's branch replays run outside the adapter paths the planner drives")
+    streaming = cfg.model.family == STREAM_FAMILY
     t = cfg.trainer
     bp = batch_plan(cfg, num_processes)
     bf16 = t.mixed_precision == "bf16"
@@ -738,9 +772,10 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
     mode = stack.enter_context(fake_mode()) if fake else None
     notes: list[str] = []
     try:
-        pipe = (build or build_pipeline)(cfg.model)
+        built = (build or build_pipeline)(cfg.model)
         with _real():  # the adapter may swap in an Euler scheduler (a schedule read back at construction)
-            adapter = FlowAdapter.from_pipeline(pipe)
+            adapter = StreamAdapter(built) if streaming else FlowAdapter.from_pipeline(built)
+        pipe = adapter.pipe
         components = {k: v for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
         for module in components.values():
             module.requires_grad_(False)
@@ -760,7 +795,9 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
         names = {id(m): f"{k}.{n}" if n else k for k, c in components.items() for n, m in c.named_modules()}
         with _real():
             sampler = build_sampler(cfg.sampler, adapter=adapter, model=cfg.model)
-            algorithm = build_algorithm(cfg.algo, cfg.sampler, sampler.sigmas)
+            # the chunks a sample is made in, as the trainer asks: one, or a streaming model's blocks
+            algorithm = build_algorithm(cfg.algo, cfg.sampler, sampler.sigmas,
+                                        chunks=adapter.num_chunks(cfg.model.num_frames))
             bp = batch_plan(cfg, num_processes, trained_steps=algorithm.trained_steps())
         kw = model_kwargs(cfg.model)
         g = kw["guidance"]
@@ -782,6 +819,9 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
         ddp_bytes = sum(p.numel() * p.element_size() for p in params) if launcher == "ddp" else 0
         if ddp_bytes:
             notes.append(f"DDP gradient buckets: {ddp_bytes / GiB:.2f} GiB added to 'other' in every phase")
+        ctx = _plan_context(adapter, unwrapped, ref_copy, g, autocast, algorithm, params, seed)
+        with tracker.labelled("weights"), torch.no_grad(), algorithm.sampling_policy(ctx):
+            pass  # steady state: an algorithm's own copy of the trained weights (an old policy) exists
 
         results: list[PhasePlan] = []
 
@@ -792,6 +832,11 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
         n_local = bp.rollouts_per_process
         mine = list(range(0, t.prompts_per_iteration, num_processes))
         prompts = [f"a prompt {p}" for p in mine]
+        metadata = None
+        if streaming:
+            metadata = _stream_records(cfg, len(mine), switch_frames)
+            notes.append("streams planned with prompt switches at pixel frames "
+                         f"{[s['start'] for s in metadata[0]['segments'][1:]]} of {cfg.model.num_frames}")
         with _real():
             plan = algorithm.plan(t.prompts_per_iteration, t.group_size, generator=torch.Generator().manual_seed(seed))
             rows = torch.tensor([p * t.group_size + j for p in mine for j in range(t.group_size)], dtype=torch.long)
@@ -801,31 +846,34 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
             with phase("rollout", f"{n_local} samples in chunks of {bp.rollout_batch_per_process}, "
                                   f"{algorithm.num_steps} steps; decode and score them") as ph:
                 with torch.no_grad():
+                    # as Trainer._encode: a stream's conditioning is its segment prompts and where they switch
                     cond = adapter.encode_prompts(prompts, kw["negative_prompt"], guidance_scale=g["guidance_scale"],
-                                                  max_sequence_length=kw["max_sequence_length"],
+                                                  max_sequence_length=kw["max_sequence_length"], metadata=metadata,
+                                                  num_frames=cfg.model.num_frames,
                                                   **{k: v for k, v in g.items() if k != "guidance_scale"})
                     cond = cond.repeat_interleave(t.group_size)
-                batch = Batch(prompts=[p for p in prompts for _ in range(t.group_size)], metadata=None,
+                batch = Batch(prompts=[p for p in prompts for _ in range(t.group_size)],
+                              metadata=None if metadata is None else [m for m in metadata for _ in range(t.group_size)],
                               global_rows=rows, cond=cond, plan=local_plan)
                 sampling = SamplingModel(adapter, guidance=g, size=kw["size"], autocast=autocast)
                 engine = algorithm.make_rollout(sampling, seed=seed, batch_size=bp.rollout_batch_per_process)
-                batch = engine(batch, 0)
+                with algorithm.sampling_policy(ctx):  # as Trainer.rollout: the weights the algorithm samples with
+                    batch = engine(batch, 0)
                 with torch.no_grad():  # the trainer's score phase: decode every rollout, keep the pixels
-                    batch.images = adapter.decode(batch.latents[:, -1]).float().clamp(0, 1)
+                    batch.images = adapter.decode(adapter.join_chunks(batch.final)).float().clamp(0, 1)
                     frames = batch.images.shape[0] * (batch.images.shape[1] if batch.images.ndim == 5 else 1)
                     for name, model, per_call in rewards:
                         calls = math.ceil(min(frames, n_local * 8 if batch.images.ndim == 5 else frames) / per_call)
                         with flop_counter() as fc:
                             _reward_forward(model, min(per_call, frames))
                         ph.extra_flops += fc.get_total_flops() * max(0, calls - 1)
-                batch.advantages = torch.zeros(n_local)
+                _advantage_stand_in(algorithm, batch)
             flops["rollout"] = results[-1].flops
         if "update" in phases:
             if batch is None:
                 raise ValueError("the update phase needs the rollout phase first")
             micro = bp.train_micro_batch
-            ctx = _plan_context(adapter, unwrapped, ref_copy, g, autocast, algorithm, params, seed)
-            steps_mask = batch.plan.train_mask.flatten(1)
+            steps_mask = batch.plan.train_mask.flatten(1)  # a chunk axis: steps are flat indices c·T' + i
             steps = torch.stack([r.nonzero().squeeze(1) for r in steps_mask])
             rows_mb = torch.arange(0, min(micro, n_local))
             with phase("update", f"one micro-batch of {micro} x one trained step, backward, AdamW step") as ph:
@@ -846,7 +894,21 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
                 optimizer.zero_grad(set_to_none=True)
                 unwrapped.eval()
             per_iteration = (n_local // micro) * bp.trained_steps * t.inner_epochs
-            flops["update"] = results[-1].flops * per_iteration
+            flops["update"] = results[-1].flops
+            if per_iteration > 1:
+                # the next micro-batch step: its FLOPs stand for the rest of the iteration's (work an algorithm
+                # does once per group or per iteration, KVPO's no-grad replays of a group under the old, initial and
+                # current weights, is in the first only)
+                nxt = torch.arange(micro, min(2 * micro, n_local)) if n_local > micro else rows_mb
+                step = steps[nxt, 0] if n_local > micro else steps[rows_mb, min(1, steps.shape[1] - 1)]
+                unwrapped.train()
+                with flop_counter() as fc:
+                    loss, _ = algorithm.loss(ctx, batch, nxt, step)
+                    loss.backward()
+                    del loss
+                optimizer.zero_grad(set_to_none=True)
+                unwrapped.eval()
+                flops["update"] += fc.get_total_flops() * (per_iteration - 1)
             results[-1].note += f"; {per_iteration} such micro-batch steps per iteration"
         if "eval" in phases:
             from .evaluation import generate
@@ -859,7 +921,9 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
                 with torch.no_grad():
                     images = generate(adapter, [f"held-out {i}" for i in range(bsz)],
                                       [torch.Generator().manual_seed(i) for i in range(bsz)],
-                                      sigmas=sampler.eval_sigmas, model_kw=kw, autocast=autocast)
+                                      sigmas=sampler.eval_sigmas, model_kw=kw, autocast=autocast,
+                                      metadata=None if metadata is None else
+                                      [metadata[i % len(metadata)] for i in range(bsz)])
                     frames = images.shape[0] * (images.shape[1] if images.ndim == 5 else 1)
                     for name, model, per_call in rewards:
                         _reward_forward(model, min(per_call, frames))
@@ -884,6 +948,42 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
                "accumulation": bp.accumulation},
         flops_per_iteration=flops.get("rollout", 0.0) + flops.get("update", 0.0), eval_flops=flops.get("eval", 0.0),
         mfu=mfu, peak_flops=g_.peak_flops, notes=notes, plan_seconds=round(time.time() - t0, 1))
+
+
+def _stream_records(cfg: DictConfig, n: int, switch_frames: tuple[int, ...] | None) -> list[dict]:
+    """``n`` streams of ``model.num_frames`` frames for a streaming plan (what a stream's layout decides: its
+    segments' prompts, and where it switches, which sets KVPO's fork and LongLive's re-cache): the first ``n`` of the
+    run's prompt file when it is at hand and ``switch_frames`` is not given, else streams switching at
+    ``switch_frames`` (none: one segment)."""
+    from .paths import resolve_path
+
+    frames = int(cfg.model.num_frames)
+    if switch_frames is None and not OmegaConf.is_missing(cfg.data, "train_file") and cfg.data.get("train_file"):
+        found = resolve_path(str(cfg.data.train_file))
+        if found is not None and found.is_file() and found.suffix == ".jsonl":
+            records = [json.loads(line) for line in found.read_text().splitlines() if line.strip()]
+            records = [r for r in records if r.get("segments") and int(r.get("num_frames", frames)) == frames]
+            if records:
+                return [records[i % len(records)] for i in range(n)]
+    starts = [0, *sorted(int(f) for f in (switch_frames or ()))]
+    return [{"prompt": f"a stream {i}", "num_frames": frames,
+             "segments": [{"start": s, "prompt": f"a stream {i}, segment {j}"} for j, s in enumerate(starts)]}
+            for i in range(n)]
+
+
+def _advantage_stand_in(algorithm, batch) -> None:
+    """What the score and advantage phases leave for the update, as zeros (values change no shape or cost): the
+    advantages, and an algorithm's per-group extras (KVPO: whether any branch beat the reference run; streaming AWM:
+    its per-segment advantages)."""
+    n, G = len(batch.prompts), batch.plan.group_size
+    batch.advantages = torch.zeros(n)
+    batch.rewards = torch.zeros(n)
+    if batch.extras is None:
+        batch.extras = {}
+    if algorithm.name == "kvpo":
+        batch.extras["beats_reference"] = torch.ones(n // G, dtype=torch.bool)
+    if algorithm.name == "stream_awm" and algorithm.cfg.advantage != "stream":
+        batch.extras["segment_advantages"] = torch.zeros(n, int(batch.cond.segments.max()) + 1)
 
 
 def _real_scalar() -> torch.Tensor:

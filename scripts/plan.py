@@ -5,6 +5,7 @@ through the trainer's own code (:mod:`flowgrpo.planner` says what is modelled an
     python scripts/plan.py experiment=flow_grpo_wan21_1_3b                 # the same overrides as train.py
     python scripts/plan.py experiment=flow_grpo_wan22_5b --gpus 8 --gpu h100 --mfu 0.4 --out plan.json
     python scripts/plan.py experiment=flow_grpo_sd35m_geneval model=sd35_large --launcher fsdp
+    python scripts/plan.py experiment=kvpo_longlive --switch-frames 153,297,441   # streams switching prompt there
 """
 
 from __future__ import annotations
@@ -39,13 +40,17 @@ def main(argv: list[str] | None = None) -> dict:
                         help="ddp (default with several GPUs), or fsdp (sharding applied arithmetically)")
     parser.add_argument("--mfu", type=float, default=0.4, help="share of the card's peak FLOP/s the time assumes")
     parser.add_argument("--phases", default="rollout,update,eval", help="comma-separated phases to run")
+    parser.add_argument("--switch-frames", default=None,
+                        help="a streaming model's prompt switches (pixel frames, comma-separated) in the streams it "
+                             "plans; default: the first streams of data.train_file, else one segment")
     parser.add_argument("--out", default=None, help="write the plan as JSON here")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = compose(["logger=none", *args.overrides])
     label = " ".join(args.overrides) or "(defaults)"
+    switches = None if args.switch_frames is None else tuple(int(f) for f in args.switch_frames.split(",") if f)
     plan = plan_run(cfg, num_processes=args.gpus, gpu=args.gpu, launcher=args.launcher, mfu=args.mfu,
-                    phases=tuple(args.phases.split(",")), label=label)
+                    phases=tuple(args.phases.split(",")), label=label, switch_frames=switches)
     print(plan.table())
     result = plan.to_dict()
     if args.out:

@@ -63,6 +63,10 @@ EXPECTED_MISSING = {
     ("model", "self_forcing_wan"): {"model.stream.checkpoint"},  # the user's checkpoint files
     ("model", "longlive_wan"): {"model.stream.checkpoint", "model.stream.lora_checkpoint"},
     ("experiment", "kvpo_longlive"): {"model.stream.checkpoint", "model.stream.lora_checkpoint", "data.train_file"},
+    ("experiment", "flow_grpo_sd35l_geneval"): {"data.train_file", "data.test_file"},
+    ("experiment", "dance_grpo_flux_hps"): {"data.train_file"},
+    ("experiment", "stream_grpo_self_forcing"): {"model.stream.checkpoint", "data.train_file"},
+    ("experiment", "stream_awm_self_forcing"): {"model.stream.checkpoint", "data.train_file"},
 }
 
 ALL_OPTIONS = [(g, o) for g in GROUPS + PRESETS for o in options(g)]

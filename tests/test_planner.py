@@ -179,3 +179,65 @@ def test_plan_script_writes_json(tiny_dir, tmp_path):
     assert saved["fits"] and saved["headroom_gib"] > 70
     assert [p["name"] for p in saved["phases"]] == ["rollout", "update"]
     assert saved["peak_gib"] == round(saved["peak_bytes"] / GiB, 2)
+
+
+# ------------------------------------------------------------------------------------------------ streaming
+
+STREAMS = {  # tiny twins of the streaming presets: (overrides, pixel frames, prompt switches, phases planned)
+    "stream_grpo": (["experiment=stream_grpo_shapes", "trainer.group_size=2", "trainer.train_batch_size=2",
+                     "trainer.gradient_accumulation_steps=2"], 17, (9,), ("rollout", "update", "eval")),
+    "stream_awm": (["experiment=stream_awm_shapes", "trainer.group_size=2", "trainer.train_batch_size=2",
+                    "trainer.gradient_accumulation_steps=2"], 17, (9,), ("rollout", "update")),
+    # a group of 2 routed branches + the reference run, split over micro-batches (the partial-group path), two
+    # branches streamed at a time, forks after the switch
+    "kvpo": (["experiment=kvpo_shapes", "model=causal_wan_shapes_4step", "trainer.group_size=3",
+              "trainer.train_batch_size=2", "trainer.gradient_accumulation_steps=3", "algo.branch_batch=2"],
+             41, (21,), ("rollout", "update")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STREAMS))
+def test_streaming_plan_equals_real_run_at_tiny_size(name):
+    """A streaming run planned on fake tensors (the transformer built without a checkpoint, as the planner builds a
+    real-size one) against the same phases on real tensors with the embedded model's weights loaded by
+    ``load_stream_pipeline``: the KV caches of every block, the branched rollout, the replays and the teacher-forced
+    forward, peak by peak within 1% (equal to the byte here) and FLOP for FLOP."""
+    from flowgrpo.models import load_stream_pipeline
+
+    overrides, frames, switches, phases = STREAMS[name]
+    cfg = _compose([*overrides, f"model.num_frames={frames}", "trainer.prompts_per_iteration=2",
+                    "model.gradient_checkpointing=true"])
+    planned = plan_run(cfg, num_processes=1, switch_frames=switches, phases=phases)
+    real = plan_run(cfg, num_processes=1, fake=False, build=load_stream_pipeline, switch_frames=switches,
+                    phases=phases)
+    assert [p.name for p in planned.phases] == list(phases)
+    for p, r in zip(planned.phases, real.phases):
+        assert p.peak_bytes > 0 and abs(p.peak_bytes - r.peak_bytes) <= 0.01 * r.peak_bytes, (p.name, p.peak_bytes,
+                                                                                                r.peak_bytes)
+        assert p.flops == r.flops > 0, p.name
+        for cat in ("weights", "optimizer"):
+            assert p.split[cat] == r.split[cat], (p.name, cat)
+    assert planned.flops_per_iteration == real.flops_per_iteration
+    update = planned.phases[1]
+    assert update.split["activations"] > 0 and update.split["gradients"] >= 0
+    assert any(f"prompt switches at pixel frames {list(switches)} of {frames}" in n for n in planned.notes)
+
+
+def test_streaming_presets_build_at_real_size_without_checkpoints():
+    """experiment=kvpo_longlive builds on fake tensors from the Wan2.1-1.3B architecture config alone (its streaming
+    checkpoint is never read) with the preset's geometry: 585 frames in 49 blocks of 3, a 33-frame KV buffer with a
+    3-frame sink; the real loader still refuses to run without the checkpoint."""
+    from flowgrpo.models import StreamAdapter, load_stream_pipeline
+    from flowgrpo.planner import build_stream_pipeline
+
+    cfg = _compose(["experiment=kvpo_longlive"])
+    with fake_mode():
+        adapter = StreamAdapter(build_stream_pipeline(cfg.model))
+        params = sum(p.numel() for p in adapter.pipe.transformer.parameters())
+    assert params == pytest.approx(1.42e9, rel=0.03)
+    assert adapter.num_chunks(585) == 49
+    c = adapter.config
+    assert (c.block_frames, c.sink_frames, c.window_frames, c.cache_frames, c.recache) == (3, 3, 9, 33, True)
+    assert adapter.pipe.transformer.blocks[0].attn1.to_q.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="model.stream.checkpoint is required"):
+        load_stream_pipeline(cfg.model)

@@ -192,6 +192,23 @@ def test_config_forms_and_dtype(ckpt, twins, tmp_path):
         load_streaming_wan_transformer(ckpt, tmp_path)
 
 
+def test_the_weight_free_build_is_the_loaders_module(ckpt, twins):
+    """``build_streaming_wan_transformer`` (the planner's, no checkpoint) makes the module the loader makes: the same
+    keys, shapes and dtypes (diffusers' float32 modules included), strictly assigned; the loader still refuses a
+    checkpoint that does not fit."""
+    from flowgrpo.models import build_streaming_wan_transformer
+
+    loaded = load_streaming_wan_transformer(ckpt, CONFIG, torch_dtype="bf16").state_dict()
+    built = build_streaming_wan_transformer(CONFIG, torch_dtype="bf16").state_dict()
+    assert loaded.keys() == built.keys()
+    for k in loaded:
+        assert (built[k].shape, built[k].dtype) == (loaded[k].shape, loaded[k].dtype), k
+    assert built["scale_shift_table"].dtype == torch.float32
+    assert not any(t.is_meta for t in built.values())
+    with pytest.raises(ValueError, match="does not fit"):
+        load_streaming_wan_transformer(ckpt, dict(CONFIG, num_layers=CONFIG["num_layers"] + 1))
+
+
 # ------------------------------------------------------------------------------------------------------ LoRA
 
 

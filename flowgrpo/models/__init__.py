@@ -14,7 +14,8 @@ from .stream_load import load_stream_pipeline
 from .stream_pipeline import StreamConfig, StreamingWanPipeline
 from .tiny import build_tiny_pipeline
 from .wan import WanAdapter
-from .wan_checkpoints import load_streaming_wan_state_dict, load_streaming_wan_transformer, merge_lora
+from .wan_checkpoints import (build_streaming_wan_transformer, load_streaming_wan_state_dict,
+                              load_streaming_wan_transformer, merge_lora)
 
 __all__ = [
     "CacheState",
@@ -28,6 +29,7 @@ __all__ = [
     "StreamConfig",
     "StreamingWanPipeline",
     "WanAdapter",
+    "build_streaming_wan_transformer",
     "build_tiny_pipeline",
     "load_adapter",
     "load_stream_pipeline",

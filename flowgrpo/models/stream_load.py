@@ -39,7 +39,7 @@ from ..paths import looks_local, resolve_path  # the config layer's rule: absolu
 from .load import check_tokenizers, parse_dtype, set_vae_dtype
 from .stream_pipeline import STREAM_CONFIG_NAME, StreamConfig, StreamingWanPipeline
 
-__all__ = ["load_stream_pipeline", "stream_config_of"]
+__all__ = ["load_stream_pipeline", "stream_config_of", "stream_pipeline_of"]
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +179,17 @@ def load_stream_pipeline(
     except OSError as err:
         raise _load_error(pretrained, err) from err
     check_tokenizers(pipe, f"model.pretrained={pretrained!r}")
+    return stream_pipeline_of(pipe, m, device=device)
+
+
+def stream_pipeline_of(pipe, model: DictConfig | Mapping[str, Any], *,
+                       device: str | torch.device = "cpu") -> StreamingWanPipeline:
+    """The :class:`StreamingWanPipeline` a ``model`` node makes of an assembled ``WanPipeline`` (its components in
+    eval mode on ``device``, the VAE in ``model.vae_dtype``, the transformer made causal with the node's stream
+    settings): the last step of :func:`load_stream_pipeline`, shared with the planner, which assembles the pipeline
+    from architecture configs instead of weights."""
+    m = _node(model)
+    config = stream_config_of(m)
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):
             component.eval()

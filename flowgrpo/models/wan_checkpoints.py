@@ -64,7 +64,8 @@ from diffusers import WanTransformer3DModel
 
 from .load import parse_dtype
 
-__all__ = ["load_streaming_wan_state_dict", "load_streaming_wan_transformer", "merge_lora"]
+__all__ = ["build_streaming_wan_transformer", "load_streaming_wan_state_dict", "load_streaming_wan_transformer",
+           "merge_lora"]
 
 log = logging.getLogger(__name__)
 
@@ -466,13 +467,51 @@ def load_streaming_wan_transformer(
         ValueError: missing or unexpected keys, or shapes that differ from the config's (all listed), besides the
             errors of :func:`load_streaming_wan_state_dict`.
     """
+    dtype = parse_dtype(torch_dtype)
+    model = _empty_module(config_or_pretrained)
+    _assign(model, load_streaming_wan_state_dict(path, **kwargs), dtype, str(path))
+    return model.to(device).eval()
+
+
+def build_streaming_wan_transformer(
+    config_or_pretrained: Any,
+    *,
+    torch_dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+) -> WanTransformer3DModel:
+    r"""
+    The module :func:`load_streaming_wan_transformer` builds, without a checkpoint: the same construction, each
+    parameter assigned an uninitialised tensor of the dtype the loader would give it. For planning a run on fake
+    tensors (``flowgrpo.planner``), where a streaming model has no weights file; never for sampling.
+
+    Args:
+        config_or_pretrained: the architecture, as for :func:`load_streaming_wan_transformer`.
+        torch_dtype (`str` or `torch.dtype`): as for :func:`load_streaming_wan_transformer` (the float32 modules
+            stay float32).
+        device (`str` or `torch.device`): where the empty tensors are made.
+
+    Returns:
+        `WanTransformer3DModel`: in eval mode, values undefined.
+    """
+    dtype = parse_dtype(torch_dtype)
+    model = _empty_module(config_or_pretrained)
+    empty = {k: torch.empty(v.shape, dtype=v.dtype, device=device) for k, v in model.state_dict().items()}
+    _assign(model, empty, dtype, "an empty state dict")
+    return model.to(device).eval()
+
+
+def _empty_module(config_or_pretrained: Any) -> WanTransformer3DModel:
+    """The transformer of a config, its parameters on the meta device (no random init of 1.3B weights); buffers real."""
     from accelerate import init_empty_weights
 
-    dtype = parse_dtype(torch_dtype)
     config = _transformer_config(config_or_pretrained)
-    state_dict = load_streaming_wan_state_dict(path, **kwargs)
-    with init_empty_weights():  # parameters on the meta device (no random init of 1.3B weights); buffers real
-        model = WanTransformer3DModel.from_config(config)
+    with init_empty_weights():
+        return WanTransformer3DModel.from_config(config)
+
+
+def _assign(model: WanTransformer3DModel, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, source: str) -> None:
+    """Load ``state_dict`` into ``model`` strictly (every key, every shape), each floating tensor in ``dtype`` but the
+    modules diffusers keeps in float32."""
     expected = model.state_dict()
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
@@ -486,7 +525,7 @@ def load_streaming_wan_transformer(
             problems.append(f"{len(unexpected)} unexpected: {_listing(unexpected)}")
         if shapes:
             problems.append(f"{len(shapes)} with another shape: " + "; ".join(shapes[:_SHOW]))
-        raise ValueError(f"{path} does not fit the WanTransformer3DModel config ({'; '.join(problems)}). Check that "
+        raise ValueError(f"{source} does not fit the WanTransformer3DModel config ({'; '.join(problems)}). Check that "
                          f"the config is the checkpoint's architecture (Wan2.1-T2V-1.3B for Self-Forcing, CausVid "
                          f"and LongLive)")
     keep = model._keep_in_fp32_modules or []
@@ -497,4 +536,3 @@ def load_streaming_wan_transformer(
             tensor = tensor.to(torch.float32 if fp32 else dtype)
         weights[name] = tensor
     model.load_state_dict(weights, strict=True, assign=True)
-    return model.to(device).eval()
