@@ -22,7 +22,8 @@ newest checkpoint when the command is run again. SIGTERM or Ctrl-C to this scrip
 Reported per arm: mean ± std over seeds of each ``--metrics`` held-out value at the last evaluation, its change
 from iteration 0, the value at every evaluation, and the wall clock of a run (evaluations included); for each
 ``--train-metrics`` key (a training log value, e.g. a reward term's share of constant groups), its mean over the
-first and over the last quarter of the iterations.
+first and over the last quarter of the iterations, and its value at every iteration (mean ± std over seeds; each
+run's own series is kept too).
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def run(arm: str, seed: int, runs: Path, extra: list[str], metrics: list[str], *
               "evals": [{"iteration": e["iteration"], **{m: e.get(m) for m in metrics}} for e in evals]}
     if train_metrics:
         train = [r for r in rows if not any(k.startswith("eval/") for k in r)]
-        result["train"] = {m: {"first_quarter": _quarter(train, m, last=False), "last_quarter": _quarter(train, m, last=True)}
+        result["train"] = {m: {"first_quarter": _quarter(train, m, last=False), "last_quarter": _quarter(train, m, last=True),
+                               "series": [[r["iteration"], r[m]] for r in train if r.get(m) is not None]}
                            for m in train_metrics}
     return result
 
@@ -144,6 +146,11 @@ def summarise(results: list[dict], metrics: list[str]) -> dict:
         for m in mine[0].get("train", {}):
             row[m] = {part: _stats([r["train"][m][part] for r in mine if r["train"][m][part] is not None])
                       for part in ("first_quarter", "last_quarter")}
+            by_iteration: dict[int, list[float]] = {}
+            for r in mine:
+                for it, value in r["train"][m].get("series", []):
+                    by_iteration.setdefault(it, []).append(value)
+            row[m]["curve"] = [{"iteration": it, **_stats(v)} for it, v in sorted(by_iteration.items())]
         row["curve"] = {m: [{"iteration": e["iteration"], **_stats([r["evals"][i][m] for r in mine
                                                                   if i < len(r["evals"]) and r["evals"][i].get(m) is not None])}
                             for i, e in enumerate(mine[0]["evals"])] for m in metrics}

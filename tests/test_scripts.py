@@ -348,12 +348,18 @@ def test_compare_presets_reads_finished_runs_and_reports_mean_std_and_curves(tmp
         d.mkdir(parents=True)
         (d / "summary.json").write_text("{}")
         (d / "wall_clock.json").write_text(json.dumps({"seconds": 60.0 * (seed + 1)}))
-        rows = [{"iteration": 0, "eval/strict": 0.2}, {"iteration": 1, "reward/mean": 0.1},
-                {"iteration": 2, "eval/strict": final}]
+        rows = [{"iteration": 0, "eval/strict": 0.2}, {"iteration": 1, "reward/mean": 0.1 + seed},
+                {"iteration": 2, "reward/mean": final}, {"iteration": 2, "eval/strict": final}]
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     report = compare.main(["--arms", "a,b", "--seeds", "0,1", "--runs", str(runs), "--out", str(tmp_path / "cmp"),
-                           "--metrics", "eval/strict", "--columns", "eval/strict=strict"])
+                           "--metrics", "eval/strict", "--columns", "eval/strict=strict",
+                           "--train-metrics", "reward/mean"])
     a = report["arms"]["a"]
+    # a training value at every iteration, mean ± std over the seeds, and each run's own series
+    assert a["reward/mean"]["curve"] == [{"iteration": 1, "mean": 0.6, "std": round(math.sqrt(0.5), 4), "n": 2},
+                                         {"iteration": 2, "mean": 0.6, "std": round(math.sqrt(0.02), 4), "n": 2}]
+    assert a["reward/mean"]["first_quarter"]["mean"] == 0.6
+    assert report["runs"][0]["train"]["reward/mean"]["series"] == [[1, 0.1], [2, 0.5]]
     assert a["eval/strict"]["final"] == {"mean": 0.6, "std": round(math.sqrt(0.02), 4), "n": 2}
     assert a["eval/strict"]["gain"]["mean"] == 0.4 and a["seconds"]["mean"] == 90.0 and a["iterations"] == 2
     assert [p["mean"] for p in a["curve"]["eval/strict"]] == [0.2, 0.6]
