@@ -50,16 +50,14 @@ class BranchedRollout(Rollout):
 
     def _stream(self):
         adapter = self.model.adapter
-        if not getattr(adapter, "chunked", False):
+        if not callable(getattr(adapter, "stream_layout", None)):
             raise TypeError(f"{type(adapter).__name__} is not a streaming model (model.family=causal_wan)")
         return adapter
 
     def layout(self) -> dict[str, Any]:
-        """The streaming model's geometry: ``block_frames``, ``sink_frames``, ``window_frames``, ``cache_frames``,
-        ``recache``."""
-        c = self._stream().config
-        return {"block_frames": c.block_frames, "sink_frames": c.sink_frames, "window_frames": c.window_frames,
-                "cache_frames": c.cache_frames, "recache": c.recache}
+        """The streaming model's geometry (``adapter.stream_layout()``): ``block_frames``, ``sink_frames``,
+        ``window_frames``, ``cache_frames``, ``recache``."""
+        return self._stream().stream_layout()
 
     def _generator(self, iteration: int, *keys: int) -> torch.Generator:
         return seeded_generator(self.seed, ALGO_STREAM, iteration, 0, *keys)
@@ -151,9 +149,9 @@ class BranchedRollout(Rollout):
         batch.chunk_conds = None
         batch.nfe = (groups * K + G * sum(K - f for f in forks)) * S
         fork_rows = torch.tensor([forks[r // G1] for r in range(n)], dtype=torch.long)
-        batch.extras = {"x0": x0, "routing": plans, "fork_block": fork_rows,
-                        "fork_segment": segments[torch.arange(n), fork_rows],
-                        "fork_cond": [at_fork[f][p] for p, f in enumerate(forks)],
-                        "temporal_factor": adapter.temporal_factor}
+        batch.extras.update({"x0": x0, "routing": plans, "fork_block": fork_rows,
+                             "fork_segment": segments[torch.arange(n), fork_rows],
+                             "fork_cond": [at_fork[f][p] for p, f in enumerate(forks)],
+                             "temporal_factor": adapter.temporal_factor})
         return batch
 
