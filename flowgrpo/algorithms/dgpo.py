@@ -148,7 +148,7 @@ class DGPO(Algorithm):
 
     def _follow(self, ctx: UpdateContext) -> None:
         """Move the slow copy once per optimizer update since it last moved (``d = min(cap, 0.001·u)`` at each)."""
-        updates = int(getattr(ctx, "updates", 0))
+        updates = int(ctx.updates)
         self.ema.ensure(ctx.params)
         while self._moved_at < updates:
             self._moved_at += 1

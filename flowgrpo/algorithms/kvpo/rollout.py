@@ -33,7 +33,7 @@ class BranchedRollout(Rollout):
     per block: at Wan2.1-1.3B size a block's KV cache is gigabytes. Branches stream ``algo.branch_batch`` at a time
     (each holds a KV cache).
 
-    The velocity is the one the update replays with (the training guidance: ``algo.cfg_in_training``), so a
+    The velocity is the one the update replays with (the training guidance, ``Needs.training_guidance``), so a
     branch's replay under its own routing reproduces what it recorded. The draws (routing plans, initial noise and
     re-noise) come from the generators an update context gives at inner epoch 0,
     ``(trainer.seed, ALGO_STREAM, iteration, 0, prompt index, k)``.
@@ -73,7 +73,7 @@ class BranchedRollout(Rollout):
         if layout["window_frames"] is None:
             raise ValueError("algo=kvpo routes the frames outside a block's window: the model needs a window "
                              "(model.stream.window_frames)")
-        training = algo.cfg.cfg_in_training
+        training = algo.needs.training_guidance  # the guidance its update replays with
         velocity_of = self.model.velocity_fn(None, guidance=None if training else {"guidance_scale": 1.0})
         n = len(batch.prompts)
         groups = n // G1
