@@ -117,8 +117,7 @@ def test_identity_routing_gives_every_branch_the_reference_run(tmp_path, monkeyp
     """Branches whose planned frames are exactly the unrouted window stream the reference run: bit for bit before
     the fork (copied), to float rounding after it (another batch: ~1e-3 after several guided blocks), where the
     drawn routing moves them by far more."""
-    from flowgrpo.algorithms import Scores
-from flowgrpo.algorithms.kvpo import KVPO
+    from flowgrpo.algorithms.kvpo import KVPO
 
     planned = KVPO.routing_plan
 
