@@ -102,7 +102,7 @@ class FlowOPD(GRPO):
     config_class = FlowOPDConfig
 
     @classmethod
-    def declare_needs(cls, algo_cfg) -> Needs:  # MAR's anchor is the reference unless algo.mar names a checkpoint
+    def declare_needs(cls, algo_cfg) -> Needs:  # MAR regresses to the reference unless algo.mar names a checkpoint
         return dataclasses.replace(super().declare_needs(algo_cfg), reference=algo_cfg.mar_beta > 0 and not algo_cfg.mar)
 
     def __init__(self, base_sigmas: torch.Tensor, **kwargs) -> None:
