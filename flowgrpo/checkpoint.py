@@ -759,7 +759,7 @@ class GracefulStop:
 
 
 #: config keys a resume may change without changing what the run computes: its length, what is logged, evaluated
-#: and kept, where it writes, and how rollouts are chunked (speed only). A key is matched exactly or, ending in a dot
+#: and kept, where it writes, and how rollouts are batched (speed only). A key is matched exactly or, ending in a dot
 #: or an underscore, as a prefix.
 RESUME_HARMLESS = ("trainer.iterations", "trainer.eval_", "trainer.gallery_", "trainer.log_every",
                    "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.resume", "trainer.resume_",

@@ -32,7 +32,7 @@ from omegaconf.errors import InterpolationResolutionError
 from samplers import KERNELS, SOLVERS
 
 from .knobs import knob as _knob  # the schemas' field (public: flowgrpo.knobs.knob)
-from .registry import ALGORITHMS, load_algorithms
+from .registry import ALGORITHMS, TEMPORAL_FACTORS, load_algorithms
 
 __all__ = [
     "ModelConfig",
@@ -443,9 +443,7 @@ def _model_checks(m: DictConfig, errors: list[str]) -> None:
         errors.append(f"model.stream.cache_frames={st.cache_frames} must hold the sink and the window "
                       f"(model.stream.sink_frames + window_frames = {st.sink_frames + st.window_frames})")
     if m.num_frames is not None:
-        from .models.stream_adapter import StreamAdapter  # the model's own layout (a late import: it loads diffusers)
-
-        t = StreamAdapter.temporal_factor  # pixel frames per latent frame, before a pipeline loads
+        t = TEMPORAL_FACTORS[STREAM_FAMILY]  # pixel frames per latent frame, before a pipeline loads
         latent = (m.num_frames - 1) // t + 1
         if (m.num_frames - 1) % t or latent % b:
             errors.append(f"model.num_frames={m.num_frames} must be {t}·k + 1 frames whose k + 1 latent "

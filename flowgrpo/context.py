@@ -25,7 +25,8 @@ __all__ = ["TrainerContext"]
 class TrainerContext(UpdateContext):
     """The trainer's :class:`~flowgrpo.algorithms.UpdateContext`: the trained transformer (through accelerate's
     wrapper, with the training guidance and autocast), the reference policy, and generators keyed by the run's seed,
-    the iteration and the inner epoch (set by the trainer before each update)."""
+    the iteration and the inner epoch (set by the trainer before each update). The reference policy exists only for
+    an algorithm that declares it (``Algorithm.needs.reference``)."""
 
     def __init__(self, trainer: "Trainer"):
         self._trainer = trainer
@@ -35,13 +36,16 @@ class TrainerContext(UpdateContext):
 
     def velocity(self, x, sigma, cond):
         t = self._trainer
-        guidance = t.model_kw["guidance"] if t.algorithm.cfg_in_training else {"guidance_scale": 1.0}
+        guidance = t.model_kw["guidance"] if t.algorithm.needs.training_guidance else {"guidance_scale": 1.0}
         with t.acc.autocast():
             return t.adapter.velocity(x, sigma, cond, transformer=self._module, **guidance)
 
     @contextlib.contextmanager
     def reference(self):
         t = self._trainer
+        if not t.algorithm.needs.reference:  # no frozen copy was kept for it, and LoRA may not exist
+            raise RuntimeError(f"algo={t.algorithm.name} called ctx.reference() without declaring it needs a reference "
+                               "policy (Algorithm.needs: Needs.reference)")
         with reference_policy(t.unwrapped, t.ref_copy) as ref:
             saved, self._module = self._module, ref
             try:

@@ -135,7 +135,7 @@ class Guards:
         m, c = self.batch.rollouts_per_process, self.cfg.model
         frames = c.get("num_frames")
         latent = math.prod(self.adapter.frames._latent_shape(1, c.height, c.width, frames)[1:])
-        states = (int(self.cfg.sampler.num_steps) + 1) * (2 if self.algorithm.records_means else 1)
+        states = (int(self.cfg.sampler.num_steps) + 1) * (2 if self.algorithm.needs.record_means else 1)
         pixels = 3 * c.height * c.width * (frames or 1)
         return 4 * m * (states * latent + pixels)
 

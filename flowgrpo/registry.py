@@ -19,10 +19,15 @@ import importlib
 
 from hydra.core.config_store import ConfigStore
 
-__all__ = ["ALGORITHMS", "register_algorithm", "load_algorithms"]
+__all__ = ["ALGORITHMS", "TEMPORAL_FACTORS", "register_algorithm", "load_algorithms"]
 
 #: name → Algorithm subclass, filled by :func:`register_algorithm`.
 ALGORITHMS: dict[str, type] = {}
+
+#: ``model.family`` → pixel frames per latent frame after the first of its VAE (Wan 2.1 and 2.2 compress time 4x):
+#: what a config is checked against before a pipeline loads (``flowgrpo.config``), and the adapters' class default
+#: (``WanAdapter.temporal_factor``; a loaded adapter answers with its own VAE's ``scale_factor_temporal``).
+TEMPORAL_FACTORS: dict[str, int] = {"wan": 4, "causal_wan": 4}
 
 #: the package whose modules define the algorithms (imported by name: it imports this module, not the other way)
 _ALGORITHM_PACKAGE = "flowgrpo.algorithms"

@@ -24,6 +24,9 @@ and autocast) and draws from generators keyed by ``(trainer.seed, stream, iterat
 >>> rollout = algorithm.make_rollout(SamplingModel(adapter, guidance=..., size=...),
 ...                                  seed=0, batch_size=8)                          # doctest: +SKIP
 >>> batch = rollout(batch, iteration)                                               # doctest: +SKIP
+
+An update reads what a rollout stored through :class:`StoredTransitions`: the states of some trained steps and the
+velocity there under the conditioning each was sampled with, whatever the batch's chunk layout.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from .seeding import NOISE_STREAM, SDE_STREAM, seeded_generator
 if TYPE_CHECKING:
     from .algorithms.base import Batch
 
-__all__ = ["SamplingModel", "Rollout", "PlanRollout"]
+__all__ = ["SamplingModel", "Rollout", "PlanRollout", "StoredTransitions"]
 
 
 class SamplingModel:
@@ -115,7 +118,7 @@ class PlanRollout(Rollout):
         shared_noise: the members of a group start from one noise (``algo.shared_noise``); they are identical up to
             their first SDE step, so that prefix is integrated once per prompt and copied to the members.
         record_means: keep each SDE step's mean under the sampling policy (``Batch.means``; an algorithm that
-            ``records_means``).
+            declares ``Needs.record_means``).
         model, seed, batch_size, between_chunks: :class:`Rollout`'s.
     """
 
@@ -150,7 +153,7 @@ class PlanRollout(Rollout):
         group_ids = (batch.global_rows // G)[::G].tolist()
         noise = self._noise(len(group_ids), group_ids, G, shared, (self.seed, NOISE_STREAM, iteration))
         sde_gens = [seeded_generator(self.seed, SDE_STREAM, iteration, int(r)) for r in batch.global_rows]
-        if plan.chunked:
+        if plan.sde_mask.ndim == 3:  # a chunk axis: a streaming model's blocks
             if self.record_means:
                 raise ValueError("the algorithm records each SDE step's mean, which the streaming rollout does "
                                  "not: choose an algorithm for a streaming model")
@@ -224,3 +227,50 @@ class PlanRollout(Rollout):
         batch.chunk_conds = [conds[0][c] if len(conds) == 1 else type(conds[0][c]).cat([part[c] for part in conds])
                              for c in range(plan.num_chunks)]
         return batch
+
+
+class StoredTransitions:
+    """Stored transitions ``(rows, steps)`` of a rolled-out batch, as an update reads them, whatever the batch's chunk
+    layout: an image or a clip is one chunk; a streaming model's row is ``C`` blocks, and a flat trained-step index
+    ``c·T' + i`` is block ``c``'s step ``i`` (``RolloutPlan.chunk_step``), sampled under block ``c``'s conditioning
+    (``batch.chunk_conds[c]``, the text and the cache the blocks before it wrote).
+
+    Attributes:
+        rows, steps: ``[b]`` rows of the batch and their steps within a chunk; chunks: ``[b]`` their chunks.
+        x, x_next: ``[b, ...]`` the state before and after each step; sigma, sigma_next: ``[b]`` their noise levels.
+
+    >>> t = StoredTransitions(batch, rows, steps)                                 # doctest: +SKIP
+    >>> v = t.velocity(ctx.velocity)                                              # doctest: +SKIP
+    """
+
+    def __init__(self, batch: "Batch", rows: torch.Tensor, steps: torch.Tensor):
+        plan = batch.plan
+        self._batch = batch
+        self.rows = torch.as_tensor(rows, dtype=torch.long).cpu()
+        self.chunks, self.steps = plan.chunk_step(steps)
+        if batch.latents is None:
+            raise ValueError("the batch holds no states (batch.latents): roll it out first")
+        if plan.sde_mask.ndim == 3:
+            self.x = batch.latents[self.rows, self.chunks, self.steps]
+            self.x_next = batch.latents[self.rows, self.chunks, self.steps + 1]
+        else:
+            self.x, self.x_next = batch.latents[self.rows, self.steps], batch.latents[self.rows, self.steps + 1]
+        self.sigma = plan.sigmas[self.steps].to(self.x.device)
+        self.sigma_next = plan.sigmas[self.steps + 1].to(self.x.device)
+
+    def velocity(self, velocity: Callable, x: torch.Tensor | None = None) -> torch.Tensor:
+        """``velocity(x, sigma, cond)`` at the stored states (or at ``x``, states of the same rows and levels), each
+        under the conditioning its row and chunk were sampled with: one call for an unchunked batch, one per chunk
+        present otherwise (a streaming model's blocks do not batch across cache states)."""
+        x = self.x if x is None else x
+        batch = self._batch
+        if batch.plan.sde_mask.ndim == 2:
+            return velocity(x, self.sigma, batch.cond[self.rows])
+        v = None
+        for c in self.chunks.unique().tolist():
+            sel = (self.chunks == c).nonzero().squeeze(1)
+            part = velocity(x[sel], self.sigma[sel], batch.chunk_conds[c][self.rows[sel]])
+            if v is None:
+                v = part.new_empty(x.shape)
+            v[sel] = part
+        return v

@@ -4,7 +4,8 @@
 2. **rollout** — G samples per prompt, batched, no grad; latents and exact log-probs recorded. The algorithm's
    :class:`~flowgrpo.rollout.Rollout` samples them (``self.rollout_engine``).
 3. **score** — decode and run the reward, keeping every component.
-4. **advantage** — group-relative normalisation over the *global* batch (gathered across processes).
+4. **advantage** — the algorithm's (``Algorithm.advantages``, its one owner) from the rewards of the *global* batch
+   (gathered across processes); then the prompt curriculum, where there is one, learns from those rewards.
 5. **update** — the algorithm's loss (``Algorithm.loss``: PPO-clip on rescored log-probs for the GRPO family) over
    micro-batches × the steps it planned to train, one gradient accumulation spanning them, clipping, optimizer,
    EMA. The algorithm reaches the model only through :class:`~flowgrpo.context.TrainerContext` (velocity,
@@ -33,10 +34,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .advantages import RewardAggregator, advantage_stats, component_group_stats
-from .algorithms import Batch, build_algorithm
-from .build import (batch_plan, build_adapter, build_logger, build_sampler, check_output_dir, checkpoint_bytes,
-                    model_kwargs, preflight, prompt_pools)
+from .advantages import advantage_stats, component_group_stats
+from .algorithms import Batch, Scores, build_algorithm
+from .build import (batch_plan, build_adapter, build_aggregator, build_logger, build_sampler, check_output_dir,
+                    checkpoint_bytes, model_kwargs, preflight, prompt_pools)
 from .checkpoint import CheckpointManager, GracefulStop, atomic_write_text
 from .context import TrainerContext
 from .curriculum import CGPOCurriculum
@@ -88,14 +89,20 @@ class Trainer(RunState, HeldOut, Guards):
                 module.requires_grad_(False)
         self.unwrapped = self.adapter.pipe.transformer
         self.params = prepare_trainable(self.unwrapped, cfg.model)
-        self.ref_copy = frozen_reference(self.unwrapped) if cfg.model.finetune == "full" and cfg.algo.kl_beta > 0 else None
         check_output_dir(self.out, checkpoint_bytes(sum(p.numel() for p in self.params), t.ema.enabled))
 
-        # Sampler schedules and the algorithm (it decides the trained steps per sample, K).
+        # the reward, and for reward.aggregate its aggregator, handed to the algorithm (phase 4 is the algorithm's)
+        self.reward = checked.reward
+        self.aggregator = build_aggregator(cfg, self.reward)
+        # Sampler schedules and the algorithm (it decides the trained steps per sample, K, and declares its needs).
         self.sampler = build_sampler(cfg.sampler, adapter=self.adapter, model=cfg.model)
         # the chunks a sample is generated in (an image or a clip: one; a streaming model's video: its blocks)
         chunks = self.adapter.num_chunks(cfg.model.num_frames)
-        self.algorithm = build_algorithm(cfg.algo, cfg.sampler, self.sampler.sigmas, chunks=chunks)
+        self.algorithm = build_algorithm(cfg.algo, cfg.sampler, self.sampler.sigmas, chunks=chunks,
+                                         aggregator=self.aggregator)
+        # a fully fine-tuned model keeps a frozen copy as the reference, for an algorithm that declares it needs one
+        self.ref_copy = (frozen_reference(self.unwrapped)
+                         if cfg.model.finetune == "full" and self.algorithm.needs.reference else None)
         self.batch = batch_plan(cfg, self.world, trained_steps=self.algorithm.trained_steps())
         self._check_rollout_memory()
         # phase 2's engine, the algorithm's choice (flowgrpo.rollout): it samples through the adapter with the run's
@@ -117,15 +124,7 @@ class Trainer(RunState, HeldOut, Guards):
         self.params = [p for p in self.unwrapped.parameters() if p.requires_grad]
         self.ema = EMA(self.params, t.ema.decay) if t.ema.enabled else None
 
-        # Reward, prompts.
-        self.reward = checked.reward
-        self.aggregator = None
-        if cfg.reward.aggregate.name != "sum":
-            if not hasattr(self.reward, "weights"):
-                raise ValueError(f"reward.aggregate.name={cfg.reward.aggregate.name!r} needs a multi-component reward "
-                                 f"(reward=multi); {cfg.reward.name!r} has no per-component weights")
-            self.aggregator = RewardAggregator(cfg.reward.aggregate, self.reward.weights,
-                                               global_std=cfg.algo.global_std, clip=cfg.algo.adv_clip)
+        # Prompts.
         self.train_set, self.test_set = checked.train_set, checked.test_set
         self.prompt_pools = prompt_pools(self.train_set, cfg.data.sampling)
         self.curriculum = None
@@ -276,6 +275,7 @@ class Trainer(RunState, HeldOut, Guards):
         self._check_stop("rollout")
         batch = timed("score", self.score, batch)
         batch = timed("advantage", self.advantage, batch)
+        self.learn_curriculum(batch)
         self._check_stop("score")
         train = timed("update", self.update, batch, it)
         self.algorithm.end_iteration(self.policy)
@@ -336,34 +336,33 @@ class Trainer(RunState, HeldOut, Guards):
 
     # ------------------------------------------------------------------ 4. advantage
     def advantage(self, batch: Batch) -> Batch:
-        """Normalise over the gathered global batch (process blocks are whole groups), keep this process's slice."""
-        rewards = self.acc.gather(batch.rewards.contiguous())
-        local = self.algorithm.local_advantages(batch)
-        if local is not None:  # relative to something inside each group: this process's groups are whole
-            adv = self.acc.gather(local.to(self.device).contiguous())
-        elif self.aggregator is None:
-            adv = self.algorithm.advantages(rewards, self.cfg.trainer.group_size)
-        else:  # reward.aggregate: per-component advantages from the gathered components
-            comps = {k: self.acc.gather(batch.components[k].contiguous()) for k in self.aggregator.weights}
-            adv = self.aggregator(comps, self.cfg.trainer.group_size).to(rewards.device)
+        """The algorithm's advantages of the whole batch (``Algorithm.advantages`` on the gathered :class:`Scores`;
+        process blocks are whole groups); keep this process's slice."""
+        scores = Scores(batch, gather=self.acc.gather)
+        adv = self.algorithm.advantages(scores)
         n = len(batch.prompts)
-        if self.curriculum is not None:  # the same gathered rewards on every process: the same tables everywhere
-            N, G = self.cfg.trainer.prompts_per_iteration, self.cfg.trainer.group_size
-            order = [p for k in range(self.world) for p in range(k, N, self.world)]  # prompts in gathered order
-            self.curriculum.update([batch.extras["prompt_ids"][p] for p in order], rewards.view(N, G))
         batch.advantages = adv[self.rank * n : (self.rank + 1) * n].to(self.device)
-        batch.global_rewards = rewards
+        batch.global_rewards = scores.rewards
         batch.global_advantages = adv
         return batch
+
+    def learn_curriculum(self, batch: Batch) -> None:
+        """``data.sampling=cgpo``: the curriculum's tables learn this iteration's gathered rewards (the same on every
+        process: the same tables everywhere), for the prompts later iterations draw."""
+        if self.curriculum is None:
+            return
+        N, G = self.cfg.trainer.prompts_per_iteration, self.cfg.trainer.group_size
+        order = [p for k in range(self.world) for p in range(k, N, self.world)]  # prompts in gathered order
+        self.curriculum.update([batch.extras["prompt_ids"][p] for p in order], batch.global_rewards.view(N, G))
 
     # ------------------------------------------------------------------ 5. update
     def transitions(self, batch: Batch, iteration: int, epoch: int) -> torch.Tensor:
         """``[n, K]`` trained step indices per row (the plan's ``train_mask``), each row's order shuffled by its own
-        seeded generator: the order the update visits them in. For an algorithm with ``group_steps`` the generator
-        is the group's, so the members of a group (which train the same steps) visit them together."""
+        seeded generator: the order the update visits them in. For an algorithm that needs ``whole_groups`` the
+        generator is the group's, so the members of a group (which train the same steps) visit them together."""
         mask = batch.plan.train_mask.flatten(1)  # a chunk axis: steps are flat indices c·T' + i
         steps = torch.stack([row.nonzero().squeeze(1) for row in mask]) if len(mask) else torch.zeros(0, 0, dtype=torch.long)
-        keys = batch.global_rows // batch.plan.group_size if self.algorithm.group_steps else batch.global_rows
+        keys = batch.global_rows // batch.plan.group_size if self.algorithm.needs.whole_groups else batch.global_rows
         seed = self.cfg.trainer.seed
         order = torch.stack([torch.randperm(steps.shape[1], generator=_gen(seed, ORDER_STREAM, iteration, epoch, int(r)))
                              for r in keys])
@@ -469,10 +468,11 @@ class Trainer(RunState, HeldOut, Guards):
             self.logger.log(scalars, step=self.iteration)
         if self.gallery is not None and t.gallery_every and self.iteration % t.gallery_every == 0:
             b = self._last_batch
-            columns = {**b.components, **self.algorithm.gallery_columns(b)}
-            self._gallery_log(self.iteration, b.prompts, b.images, rewards=b.rewards, components=columns,
-                              advantages=b.advantages, group_size=t.group_size, tag="train",  # all its prompts
-                              notes=self.algorithm.gallery_notes(b), marks=self.algorithm.gallery_marks(b))
+            shown = self.algorithm.gallery(b)
+            self._gallery_log(self.iteration, b.prompts, b.images, rewards=b.rewards,
+                              components={**b.components, **shown.columns}, advantages=b.advantages,
+                              group_size=t.group_size, tag="train",  # all its prompts
+                              notes=shown.notes, marks=shown.marks)
         last = self.iteration == t.iterations
         if t.eval_every and self.iteration % t.eval_every == 0 and not (last and t.eval_at_end):
             if not self._record_eval():

@@ -114,12 +114,13 @@ def group_means(delta: torch.Tensor, rows: torch.Tensor, group_size: int) -> lis
 
 
 def row_sets(trainer, n: int) -> dict[str, torch.Tensor]:
-    """Which rows each summary covers: all of them, and for KVPO the reference runs and the routed branches."""
+    """Which rows each summary covers: all of them, and where the algorithm samples baseline members beside the
+    trained ones (``Algorithm.baseline_members``: KVPO's reference runs) those and the trained branches."""
     sets = {"all": torch.ones(n, dtype=torch.bool)}
-    if trainer.algorithm.name == "kvpo":
-        G1 = trainer.cfg.trainer.group_size
-        reference = torch.arange(n) % G1 == G1 - 1
-        sets.update(reference_runs=reference, branches=~reference)
+    G = trainer.cfg.trainer.group_size
+    baseline = trainer.algorithm.baseline_members(G).repeat(n // G)
+    if bool(baseline.any()):
+        sets.update(reference_runs=baseline, branches=~baseline)
     return sets
 
 

@@ -18,6 +18,8 @@ from flowgrpo.algorithms import UpdateContext
 CONTRACT = {
     "params": True,
     "updates": True,
+    "iteration": True,
+    "epoch": True,
     "velocity": True,
     "reference": True,
     "generator": True,
@@ -55,6 +57,7 @@ class ToyContext(UpdateContext):
         self.theta = torch.nn.Parameter(torch.randn(dim, generator=torch.Generator().manual_seed(seed)))
         self.params = [self.theta]
         self.updates = 0
+        self.iteration, self.epoch = 0, 0
         self.ref = torch.zeros(dim)
         self.a = a
         self.salt = salt

@@ -127,10 +127,10 @@ def test_slas_through_the_algorithm_and_its_config_errors(hydra_compose):
     for option in ("grpo", "mix_grpo", "flash_grpo", "dance_grpo"):
         cfg = hydra_compose([f"algo={option}", "algo.slas_gamma=0.5"])
         algo = build_algorithm(cfg.algo, cfg.sampler, build_sampler(cfg.sampler).sigmas)
-        torch.testing.assert_close(algo.advantages(rewards, 4), slas_advantages(rewards, 4, gamma=0.5))
+        torch.testing.assert_close(algo.reward_advantages(rewards, 4), slas_advantages(rewards, 4, gamma=0.5))
         assert "SLAS, gamma=0.5" in algo.describe()
         plain = build_algorithm(hydra_compose([f"algo={option}"]).algo, cfg.sampler, build_sampler(cfg.sampler).sigmas)
-        assert not torch.equal(plain.advantages(rewards, 4), algo.advantages(rewards, 4))
+        assert not torch.equal(plain.reward_advantages(rewards, 4), algo.reward_advantages(rewards, 4))
     with pytest.raises(ConfigError, match=r"algo\.slas_gamma=-1"):
         validate(hydra_compose(["algo.slas_gamma=-1"]))
     with pytest.raises(ConfigError, match=r"algo\.slas_gamma=0\.5 .* reward\.aggregate\.name='taros'"):
@@ -359,7 +359,7 @@ def test_flash_grpo_one_shared_step_per_prompt_and_rectified_weights():
     assert off.loss_weights(plan, rows, steps).tolist() == [1.0] * 32
     # advantages: mean per prompt, std over the whole batch
     r = torch.rand(32, generator=gen(4))
-    torch.testing.assert_close(algo.advantages(r, 4), group_advantages(r, 4, global_std=True))
+    torch.testing.assert_close(algo.reward_advantages(r, 4), group_advantages(r, 4, global_std=True))
 
 
 def test_flash_grpo_compressed_tail_is_per_row_and_leaves_the_trained_grid_alone():
@@ -404,7 +404,7 @@ def test_plan_drives_a_rollout_and_rescoring_gives_ratio_one(algo):
     D = x[0].numel()
     lp = reduce_log_prob(out.log_prob, D, "mean")
     old = reduce_log_prob(traj.log_probs[rows, steps], D, "mean")
-    adv = algo.advantages(torch.tensor([0.0, 1.0, 2.0, 0.5]), 2)[rows]
+    adv = algo.reward_advantages(torch.tensor([0.0, 1.0, 2.0, 0.5]), 2)[rows]
     w = algo.loss_weights(plan, rows, steps)
     loss, stats = ppo_clip_loss(lp, old, adv, clip_range=1e-4, weights=w)
     assert stats["ratio_min"].item() == 1.0 == stats["ratio_max"].item()
@@ -434,7 +434,7 @@ CONFIGS = [
 def _check_plan(cfg, algo, sigmas):
     N, G = 3, cfg.trainer.group_size
     plan = algo.plan(N, G, generator=gen())
-    chunks = (plan.num_chunks,) if plan.chunked else ()  # a streaming algorithm's plans have a block axis
+    chunks = (plan.num_chunks,) if plan.sde_mask.ndim == 3 else ()  # a streaming algorithm's plans have a block axis
     assert plan.sde_mask.shape == (N * G, *chunks, plan.num_steps)
     assert (plan.kernel, plan.solver) == (cfg.sampler.kernel, cfg.sampler.solver)
     # the banner's arithmetic (the algorithm's count) and the plan agree
@@ -457,12 +457,12 @@ def test_build_algorithm_from_composed_configs(hydra_compose, overrides, cls):
         assert algo.window.size == size and algo.window.shift_interval == cfg.algo.window.shift_interval
         assert (cfg.algo.compress_ratio < 1) == (plan.num_steps < cfg.sampler.num_steps)
     if cls is not FlashGRPO:
-        assert algo.timestep_selection == cfg.algo.timestep_selection
+        assert algo.cfg.timestep_selection == cfg.algo.timestep_selection
     if cfg.algo.get("timestep_selection") == "first":  # the noisiest SDE steps, the same for every sample
         assert k < plan.num_steps and plan.train_mask[:, :k].all() and not plan.train_mask[:, k:].any()
     if cls is FlashGRPO:
-        assert algo.global_std and algo.rectify and algo.max_step == cfg.sampler.num_steps // 2
-    assert algo.global_std == cfg.algo.global_std and algo.adv_clip == cfg.algo.adv_clip
+        assert algo.cfg.global_std and algo.cfg.rectify and algo.max_step == cfg.sampler.num_steps // 2
+    assert algo.cfg.global_std == cfg.algo.global_std and algo.cfg.adv_clip == cfg.algo.adv_clip
 
 
 ALGO_OPTIONS = sorted(p.stem for p in (CONF / "algo").glob("*.yaml"))
@@ -516,7 +516,8 @@ def test_algorithm_keywords_are_its_schema():
         GRPO(SIGMAS10, window=3)
     with pytest.raises(ConfigError, match=r"algo\.clip_range=0"):
         FlashGRPO(SIGMAS10, clip_range=0)
-    assert GRPO(SIGMAS10).kl_beta == GRPOConfig().kl_beta == 0.04  # schema defaults are the defaults
+    assert GRPO(SIGMAS10).cfg.kl_beta == GRPOConfig().kl_beta == 0.04  # schema defaults are the defaults
+    assert GRPO(SIGMAS10).needs.reference and not GRPO(SIGMAS10, kl_beta=0.0).needs.reference  # declared by it
 
 
 def test_build_algorithm_checks_values_and_schedule(hydra_compose):

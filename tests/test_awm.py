@@ -31,7 +31,7 @@ def make_batch(algo: AWM, rewards: torch.Tensor, G: int, dim: int = 3) -> Batch:
     latents = torch.randn(n, plan.num_steps + 1, dim, 2, 2, generator=gen(2))
     batch = Batch(prompts=["p"] * n, metadata=None, global_rows=torch.arange(n), cond=Cond(), plan=plan,
                   latents=latents, log_probs=torch.zeros(n, plan.num_steps))
-    batch.advantages = algo.advantages(rewards, G)
+    batch.advantages = algo.reward_advantages(rewards, G)
     return batch
 
 
@@ -47,8 +47,8 @@ def test_stratified_levels_one_per_stratum_and_the_plan_is_an_ode():
     plan = algo.plan(3, 4, generator=gen(3))
     assert not plan.sde_mask.any() and plan.train_mask.sum(1).tolist() == [6] * 12 == [algo.trained_steps()[0]] * 12
     assert not plan.train_mask[:, 0].any() and not plan.train_mask[:, 9].any()  # σ = 1 and past int(10·0.9)
-    assert algo.global_std and algo.weighting == "ghuber" and algo.kl_beta == 0.001 and algo.ema_kl_beta == 1.0
-    assert not algo.cfg_in_training  # the flow-matching loss is the conditional velocity's
+    assert algo.cfg.global_std and algo.cfg.weighting == "ghuber" and algo.cfg.kl_beta == 0.001 and algo.cfg.ema_kl_beta == 1.0
+    assert not algo.needs.training_guidance  # the flow-matching loss is the conditional velocity's
 
 
 def test_ghuber_gradient_is_sigma_times_the_power_of_the_error():

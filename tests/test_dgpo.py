@@ -59,7 +59,7 @@ def make_batch(algo: DGPO, rewards: torch.Tensor, G: int) -> Batch:
     latents = torch.randn(n, plan.num_steps + 1, 3, 2, 2, generator=gen(2))
     batch = Batch(prompts=["p"] * n, metadata=None, global_rows=torch.arange(n), cond=Cond(), plan=plan,
                   latents=latents, log_probs=torch.zeros(n, plan.num_steps))
-    batch.advantages = algo.advantages(rewards, G)
+    batch.advantages = algo.reward_advantages(rewards, G)
     return batch
 
 
@@ -68,7 +68,7 @@ def test_plan_trains_the_same_high_noise_levels_for_the_batch():
     plan = algo.plan(3, 4, generator=gen(0))
     assert not plan.sde_mask.any() and (plan.train_mask == plan.train_mask[0]).all()
     assert plan.train_mask[0].sum() == 4 == algo.trained_steps()[0] and not plan.train_mask[:, 5:].any()
-    assert algo.group_steps and not algo.cfg_in_training and algo.beta_dpo == 100 and algo.kl_beta == 0.02
+    assert algo.needs.whole_groups and not algo.needs.training_guidance and algo.cfg.beta_dpo == 100 and algo.cfg.kl_beta == 0.02
     with pytest.raises(ValueError, match="algo.train_timesteps=6"):
         DGPO(SIGMAS, train_timesteps=6)
 

@@ -26,7 +26,7 @@ def make_batch(algo: DiffusionNFT, rewards: torch.Tensor, G: int, dim: int = 3) 
     latents = torch.randn(n, plan.num_steps + 1, dim, 2, 2, generator=torch.Generator().manual_seed(2))
     batch = Batch(prompts=["p"] * n, metadata=None, global_rows=torch.arange(n), cond=Cond(n), plan=plan,
                   latents=latents, log_probs=torch.zeros(n, plan.num_steps))
-    batch.advantages = algo.advantages(rewards, G)
+    batch.advantages = algo.reward_advantages(rewards, G)
     return batch
 
 
@@ -36,7 +36,7 @@ def test_plan_is_an_ode_rollout_training_k_of_t_noise_levels_per_sample():
     assert not plan.sde_mask.any() and plan.first_sde_step().tolist() == [10] * 12
     assert plan.train_mask.sum(1).tolist() == [9] * 12 == [algo.trained_steps()[0]] * 12  # int(10 * 0.99)
     assert len({tuple(r.tolist()) for r in plan.train_mask}) > 1  # drawn per sample
-    assert algo.global_std and algo.kl_beta == 1e-4 and algo.beta == 1.0 and algo.decay_type == 1
+    assert algo.cfg.global_std and algo.cfg.kl_beta == 1e-4 and algo.cfg.beta == 1.0 and algo.cfg.decay_type == 1
 
 
 def test_optimality_probability_and_decay_schedules():

@@ -150,7 +150,7 @@ def test_an_attached_sampled_reward_is_refused_naming_both_keys():
 
     with pytest.raises(ConfigError, match=r"algo\.detach_kl=false .*algo\.kl_reward=exact"):
         FlowOPD(SIGMAS, teachers={"t": "t"}, detach_kl=False)
-    assert FlowOPD(SIGMAS, teachers={"t": "t"}).kl_reward == "sampled"
+    assert FlowOPD(SIGMAS, teachers={"t": "t"}).cfg.kl_reward == "sampled"
 
 
 def test_routing_alternates_per_iteration_or_follows_the_metadata():

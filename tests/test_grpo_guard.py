@@ -79,7 +79,7 @@ def rolled_batch(algo: GRPOGuard, ctx: ToyContext, P: int = 2, G: int = 3) -> Ba
                               generator=[gen(10 + r) for r in range(n)], record_means=True)
     batch = Batch(prompts=["p"] * n, metadata=None, global_rows=torch.arange(n), cond=Cond(), plan=plan,
                   latents=traj.latents, log_probs=traj.log_probs, means=traj.means)
-    batch.advantages = algo.advantages(torch.tensor([0.0, 1.0, 0.5, 2.0, 0.0, 1.0]), G)
+    batch.advantages = algo.reward_advantages(torch.tensor([0.0, 1.0, 0.5, 2.0, 0.0, 1.0]), G)
     return batch
 
 
@@ -135,7 +135,7 @@ def test_one_trainer_iteration_records_means_and_moves_the_weights(tmp_path):
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose("train", overrides=[*overrides, f"trainer.output_dir={tmp_path}"])
     trainer = Trainer(cfg, tmp_path)
-    assert isinstance(trainer.algorithm, ALGORITHMS["grpo_guard"]) and trainer.algorithm.records_means
+    assert isinstance(trainer.algorithm, ALGORITHMS["grpo_guard"]) and trainer.algorithm.needs.record_means
     before = [p.detach().clone() for p in trainer.params]
     trainer.fit()
     batch = trainer._last_batch

@@ -11,6 +11,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import flowgrpo.config  # noqa: F401  (registers the schemas)
+from flowgrpo.algorithms import Scores
 from flowgrpo.algorithms.kvpo import RoutingPlan, kvpo_loss, route_fn, unrouted_positions
 from flowgrpo.algorithms.old_policy import OldPolicy
 
@@ -171,14 +172,15 @@ def test_replay_policy_ratio_and_update(rolled):
     assert float(loss.detach()) == pytest.approx(sum(expected) / 2, rel=1e-5, abs=1e-7)
     assert info["ratio_mean"] == 1.0 and info["ratio_min"] == 1.0
     # the gallery's columns: each branch's π (a distribution over the group's branches), where its routing ran
-    columns = algo.gallery_columns(batch)
+    shown = algo.gallery(batch)
+    columns = shown.columns
     pi = columns["kvpo/pi"]
     assert torch.isnan(pi[[2, 5]]).all() and torch.allclose(pi[[0, 3]] + pi[[1, 4]], torch.ones(2))
     assert columns["kvpo/branch"].tolist() == [0, 1, -1, 0, 1, -1]
     plan = batch.extras["routing"][0]
     assert columns["kvpo/routed_from"][0] == 4 * plan.fork_frame - 3 and torch.isnan(columns["kvpo/routed_to"][2])
     # the grid's labels and marks: the branch, its π and routed pixel frames; the reference run unmarked
-    notes, marks = algo.gallery_notes(batch), algo.gallery_marks(batch)
+    notes, marks = shown.notes, shown.marks
     assert notes[2] == ["reference run"] and notes[1][0] == "branch 1" and notes[1][1] == f"pi {float(pi[1]):.3f}"
     assert notes[0][-1] == f"routed {4 * plan.fork_frame - 3}-{4 * (plan.end_frame - 1)}"
     assert marks[0].tolist() == marks[2].tolist() == [4 * plan.fork_frame - 3, 4 * (plan.end_frame - 1)]
@@ -210,6 +212,27 @@ def test_split_groups_give_the_whole_groups_gradient(rolled):
         assert float((a - total).norm()) <= 1e-3 * float(a.norm()) + 1e-12
 
 
+def test_without_the_kl_term_the_loss_never_reaches_the_reference_policy(rolled):
+    """``algo.kl_beta=0`` declares no reference policy (what a fully fine-tuned model, with no LoRA to disable and no
+    frozen copy, needs): the loss trains without calling ``ctx.reference()``, which the trainer's context refuses."""
+    trainer, batch, _ = rolled
+    algo, ctx = trainer.algorithm, trainer.policy
+    assert algo.needs.reference  # the preset's KL weight 10
+    algo.cfg.kl_beta = 0.0
+    try:
+        assert not algo.needs.reference
+        with pytest.raises(RuntimeError, match="without declaring it needs a reference"):
+            with ctx.reference():
+                pass
+        ctx.iteration, ctx.epoch = 7, 0  # a fresh key: no score cached from the calls above
+        loss, info = algo.loss(ctx, batch, torch.arange(6), torch.zeros(6, dtype=torch.long))
+        assert torch.isfinite(loss) and "kl" not in info and "policy_loss" in info
+    finally:
+        algo.cfg.kl_beta = 10.0
+        algo._cache = {}
+    assert algo.needs.reference
+
+
 def test_advantages_are_relative_to_the_reference_run(rolled):
     trainer, batch, _ = rolled
     adv = batch.advantages.cpu()
@@ -219,10 +242,10 @@ def test_advantages_are_relative_to_the_reference_run(rolled):
     comps = {k: v.clone() for k, v in batch.components.items()}
     for v in batch.components.values():
         v[0:2] = torch.minimum(v[0:2], v[2]) if torch.isfinite(v[0:3]).all() else v[0:2]
-    trainer.algorithm.local_advantages(batch)
+    trainer.algorithm.advantages(Scores(batch))
     assert not bool(batch.extras["beats_reference"][0])
     batch.components.update(comps)
-    trainer.algorithm.local_advantages(batch)
+    trainer.algorithm.advantages(Scores(batch))
 
 
 

@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import flowgrpo.config  # noqa: F401  (registers the schemas)
-from flowgrpo.algorithms import ALGORITHMS, Batch
+from flowgrpo.algorithms import ALGORITHMS, Batch, Scores
 from flowgrpo.algorithms.pref_grpo import PrefGRPO, preference_advantages, verdict_preferences, win_rates
 from samplers import flow_sigmas
 
@@ -60,23 +60,23 @@ class _Cond:
         return self
 
 
-def test_local_advantages_use_the_named_components_and_name_a_missing_one():
+def test_advantages_use_the_named_components_and_name_a_missing_one():
     algo = PrefGRPO(flow_sigmas(10), kernel="dance", noise_level=0.3, judge=["strict", "partial"])
     plan = algo.plan(2, 3, generator=torch.Generator().manual_seed(0))
     batch = Batch(prompts=["p"] * 6, metadata=None, global_rows=torch.arange(6), cond=_Cond(), plan=plan)
     batch.rewards = torch.tensor([0.2, 0.9, 0.5, 0.4, 0.4, 0.4])
     batch.components = {"strict": torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 0.0]),
                         "partial": torch.tensor([0.2, 0.9, 0.5, 0.4, 0.4, 0.4])}
-    adv = algo.local_advantages(batch)
+    adv = algo.advantages(Scores(batch))
     # group 1: ranks 0, 2, 1; group 2: the strict verdict decides (partial credits tie) → 1, then a tie
     by_hand = torch.cat([preference_advantages(torch.tensor([0.0, 1.0, 0.5]), 3, 5.0),
                          preference_advantages(torch.tensor([1.0, 0.25, 0.25]), 3, 5.0)])
     torch.testing.assert_close(adv, by_hand)
     reward_only = PrefGRPO(flow_sigmas(10), kernel="dance", noise_level=0.3)  # judge=[]: the reward itself
-    assert reward_only.local_advantages(batch)[3:].abs().max() == 0  # its group 2 is an all-tie
+    assert reward_only.advantages(Scores(batch))[3:].abs().max() == 0  # its group 2 is an all-tie
     batch.components = {"partial": batch.components["partial"]}
     with pytest.raises(KeyError, match="algo.judge names \\['strict'\\]"):
-        algo.local_advantages(batch)
+        algo.advantages(Scores(batch))
 
 
 def test_defaults_and_the_ratio_switch():
@@ -86,7 +86,7 @@ def test_defaults_and_the_ratio_switch():
     assert cfg.sampler.name == "dance" and cfg.algo.kl_beta == 0 and cfg.algo.timestep_fraction == 0.6
     assert cfg.algo.shared_noise and cfg.algo.ratio_norm and list(preset.algo.judge) == ["strict", "partial"]
     sig = flow_sigmas(10)
-    assert PrefGRPO(sig).records_means and not PrefGRPO(sig, ratio_norm=False).records_means
+    assert PrefGRPO(sig).needs.record_means and not PrefGRPO(sig, ratio_norm=False).needs.record_means
     assert "normalised ratio" in PrefGRPO(sig).describe() and "plain" in PrefGRPO(sig, ratio_norm=False).describe()
 
 

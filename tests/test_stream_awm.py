@@ -19,7 +19,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import flowgrpo.config  # noqa: F401  (registers the schemas)
-from flowgrpo.algorithms import ALGORITHMS, Batch, UpdateContext
+from flowgrpo.algorithms import ALGORITHMS, Batch, Scores, UpdateContext
 from flowgrpo.algorithms.stream_awm import (StreamAWM, schedule_shift, segment_advantages, sigma_cdf,
                                             stratified_sigmas)
 from flowgrpo.models import StreamAdapter, StreamingWanPipeline, build_tiny_pipeline
@@ -224,7 +224,7 @@ def rolled(tiny_pipe):
 def make_batch(adapter, cond, x0, algo: StreamAWM) -> Batch:
     n, K = x0.shape[:2]
     plan = algo.plan(n // 2, 2, generator=gen(1))
-    assert plan.chunked and plan.num_chunks == K and plan.trained_per_row == 1
+    assert plan.sde_mask.ndim == 3 and plan.num_chunks == K and plan.trained_per_row == 1
     latents = x0.unsqueeze(2).expand(n, K, STEPS + 1, *x0.shape[2:])  # only the final state is read
     return Batch(prompts=["s"] * n, metadata=None, global_rows=torch.arange(n), cond=cond, plan=plan,
                  latents=latents.contiguous())
@@ -299,7 +299,8 @@ def test_per_segment_advantages_reach_the_blocks_of_their_segment_only(rolled):
         "segment2/adherence": torch.tensor([nan, nan, 0.0, 1.0]), "segment2/speed": torch.tensor([nan, nan, 0.0, 0.6]),
         "segment2/recovery": torch.tensor([nan, nan, 0.0, 1.0]),
     }
-    per_row = algo.local_advantages(batch)
+    batch.rewards = torch.zeros(4)  # the stream's reward is not read: the segments' components are
+    per_row = algo.advantages(Scores(batch))
     per_segment = batch.extras["segment_advantages"]
     assert per_segment.shape == (4, 3)
     assert per_segment[:2, 0].abs().max() == 0 and per_segment[2:, :2].abs().max() == 0
@@ -328,7 +329,9 @@ def test_stream_plus_segment_advantages_add_the_streams_to_its_segments(rolled):
         "segment2/adherence": torch.tensor([nan, nan, 0.0, 1.0]),
     }
     algo.cfg.segment_components = ["adherence"]
-    assert algo.local_advantages(batch) is None          # the stream advantages come from the whole reward
+    batch.rewards = torch.tensor([0.3, 0.7, 0.1, 0.2])
+    # the stream advantages come from the whole reward
+    torch.testing.assert_close(algo.advantages(Scores(batch)), algo.reward_advantages(batch.rewards, 2))
     per_segment = batch.extras["segment_advantages"]
     batch.advantages = torch.tensor([-1.0, 1.0, 0.5, -0.5])
     rows = torch.arange(4)

@@ -115,7 +115,7 @@ def test_stream_grpo_rescores_every_trained_transition_exactly(tmp_path):
     del trainer.reward.version
     batch = trainer.rollout(trainer.plan(0), 0)
     plan = batch.plan
-    assert plan.chunked and plan.num_chunks == 13 and plan.sigmas.shape[0] == 11
+    assert plan.sde_mask.ndim == 3 and plan.num_chunks == 13 and plan.sigmas.shape[0] == 11
     assert batch.latents.shape[:3] == (4, 13, 11) and len(batch.chunk_conds) == 13
     flat = plan.train_mask.flatten(1)
     assert flat.sum(1).tolist() == [11] * 4  # 10 % of 13 × 9 re-noise transitions

@@ -148,7 +148,7 @@ def test_a_batch_whose_rollouts_cannot_fit_is_refused_with_the_numbers_before_th
     trainer = Trainer(compose_cfg(), tmp_path / "run")
     c, m = trainer.cfg.model, trainer.batch.rollouts_per_process
     latent = math.prod(trainer.adapter._latent_shape(1, c.height, c.width, None)[1:])
-    states = (trainer.cfg.sampler.num_steps + 1) * (2 if trainer.algorithm.records_means else 1)
+    states = (trainer.cfg.sampler.num_steps + 1) * (2 if trainer.algorithm.needs.record_means else 1)
     assert trainer.rollout_bytes() == 4 * m * (states * latent + 3 * c.height * c.width)
     forward = trainer.forward_bytes()
     # a forward keeps at least its input and output, and on the tiny model far more: the stored rollouts alone are

@@ -14,7 +14,8 @@ GRPO family's loss (:class:`PolicyGradient`).
 import importlib
 import pkgutil
 
-from .base import ALGORITHMS, Algorithm, Batch, RolloutPlan, UpdateContext, build_algorithm
+from .base import (ALGORITHMS, Algorithm, Batch, GalleryNotes, Needs, RolloutPlan, Scores, UpdateContext,
+                   build_algorithm)
 from .flash_grpo import FlashGRPO
 from .grpo import GRPO
 from .losses import ppo_clip_loss, reduce_log_prob
@@ -24,5 +25,6 @@ from .policy_gradient import PolicyGradient
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")  # each registers its algorithms by name
 
-__all__ = ["ALGORITHMS", "Algorithm", "Batch", "RolloutPlan", "UpdateContext", "build_algorithm", "PolicyGradient",
+__all__ = ["ALGORITHMS", "Algorithm", "Batch", "GalleryNotes", "Needs", "RolloutPlan", "Scores", "UpdateContext",
+           "build_algorithm", "PolicyGradient",
            "GRPO", "MixGRPO", "FlashGRPO", "ppo_clip_loss", "reduce_log_prob"]

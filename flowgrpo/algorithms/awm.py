@@ -143,7 +143,7 @@ class EMATrustRegion:
         """``θ_ema ← d·θ_ema + (1−d)·θ``, ``d`` = :func:`ema_decay` at ``ctx.updates``."""
         if ctx is None:
             return
-        self.ema.move(ctx.params, keep=ema_decay(int(getattr(ctx, "updates", 0)), self.cfg.ema_kl_decay))
+        self.ema.move(ctx.params, keep=ema_decay(int(ctx.updates), self.cfg.ema_kl_decay))
 
     def state_dict(self) -> dict:
         return {"ema": self.ema.state_dict()}

@@ -3,15 +3,18 @@
 The trainer's loop is ``plan → rollout → score → advantage → update → log/checkpoint``. An algorithm fills phase 1
 (:meth:`Algorithm.plan` → :class:`RolloutPlan`: which steps are stochastic, which are trained), chooses the rollout
 of phase 2 (:meth:`Algorithm.make_rollout` → a :class:`~flowgrpo.rollout.Rollout`; the default integrates the plan),
-may shape phase 4 (:meth:`Algorithm.advantages`) and owns the loss of phase 5 (:meth:`Algorithm.loss`). The trainer
-owns the loop around them: accumulation, clipping, the optimizer, EMA, logging, checkpoints. It reaches the model only
-through an :class:`UpdateContext`, so an algorithm never touches the trainer's modules directly.
+owns phase 4 (:meth:`Algorithm.advantages`, from the gathered :class:`Scores`; a multi-component reward's aggregator
+is handed to it) and the loss of phase 5 (:meth:`Algorithm.loss`), and declares what it needs of the trainer and the
+rollout (:attr:`Algorithm.needs`, a :class:`Needs`: a reference policy, recorded means, ...). The trainer owns the loop
+around them: accumulation, clipping, the optimizer, EMA, logging, checkpoints. It reaches the model only through an
+:class:`UpdateContext`, so an algorithm never touches the trainer's modules directly. The whole contract, with a
+worked example: ``docs/extending.md``.
 
 >>> algo = build_algorithm(cfg.algo, cfg.sampler, sigmas)                    # doctest: +SKIP
 >>> plan = algo.plan(num_prompts, group_size, generator=gen)                 # phase 1
 >>> rollout = algo.make_rollout(model, seed=seed, batch_size=8)              # once
 >>> batch = rollout(batch, iteration)                                        # phase 2: batch.plan sampled
->>> adv = algo.advantages(rewards, group_size)                               # phase 4
+>>> adv = algo.advantages(Scores(batch, gather=accelerator.gather))         # phase 4
 >>> loss, info = algo.loss(ctx, batch, rows, steps)                          # phase 5, per micro-batch and step
 >>> algo.end_iteration()                                                     # after the update
 
@@ -37,7 +40,8 @@ from ..config import AlgoConfig
 from ..registry import ALGORITHMS, register_algorithm  # name → Algorithm subclass, filled as classes are defined
 from ..rollout import PlanRollout, Rollout, SamplingModel
 
-__all__ = ["RolloutPlan", "Batch", "UpdateContext", "Algorithm", "ALGORITHMS", "build_algorithm"]
+__all__ = ["RolloutPlan", "Batch", "Needs", "Scores", "GalleryNotes", "UpdateContext", "Algorithm", "ALGORITHMS",
+           "build_algorithm"]
 
 
 @dataclass
@@ -50,7 +54,7 @@ class RolloutPlan:
         sde_mask: ``[N, T']`` bool, stochastic steps per sample; ``N = prompts × group_size``, group members
             consecutive (rows ``p·G … p·G+G−1`` are prompt ``p``). All False for an ODE-only rollout. A stateful
             model generating chunk by chunk (streaming video) has a chunk axis: ``[N, C, T']``, each chunk integrated
-            over ``sigmas`` (``samplers.chunked_rollout``).
+            over ``sigmas`` (the streaming rollout of :mod:`flowgrpo.rollout`).
         train_mask: the shape of ``sde_mask``: the steps the update trains, the same number per row. Trained steps
             are addressed by their index in the row's flattened mask (``c·T' + i`` with a chunk axis:
             :meth:`chunk_step`). For policy-gradient
@@ -107,11 +111,6 @@ class RolloutPlan:
         return self.sde_mask.shape[0]
 
     @property
-    def chunked(self) -> bool:
-        """Whether the plan has a chunk axis (a streaming model's blocks)."""
-        return self.sde_mask.ndim == 3
-
-    @property
     def num_chunks(self) -> int:
         """``C``: chunks generated one after the other (1 without a chunk axis)."""
         return self.sde_mask.shape[1] if self.sde_mask.ndim == 3 else 1
@@ -131,13 +130,13 @@ class RolloutPlan:
         when a group shares its initial noise the rollout integrates that prefix once per prompt
         (:meth:`shared_prefix`) and branches the group there."""
         if self.num_chunks > 1:
-            raise ValueError("a chunked plan has no shared deterministic prefix (each chunk starts from its own noise)")
+            raise ValueError("a plan with a chunk axis has no shared deterministic prefix (each chunk starts from its own noise)")
         return sde_bounds(self.sde_mask)[0]
 
     def last_sde_step(self) -> torch.Tensor:
         """``LongTensor[N]``: each row's last SDE step (−1 when none)."""
         if self.num_chunks > 1:
-            raise ValueError("a chunked plan has no per-row tail (each chunk is integrated on the full grid)")
+            raise ValueError("a plan with a chunk axis has no per-row tail (each chunk is integrated on the full grid)")
         return sde_bounds(self.sde_mask)[1]
 
     def row_sigmas(self, last_sde: int) -> torch.Tensor:
@@ -181,7 +180,7 @@ class Batch:
     log_probs: torch.Tensor | None = None           # [n, T'] exact log π_old of each SDE step ([n, C, T']); 0 on ODE
     means: torch.Tensor | None = None               # [n, T', ...] each SDE step's Gaussian mean under the sampling
                                                     # policy, NaN on ODE steps; only for an algorithm that
-                                                    # ``records_means`` (GRPO-Guard), else None
+                                                    # declares ``Needs.record_means`` (GRPO-Guard), else None
     chunk_conds: list[Any] | None = None            # with chunks: chunk c's conditioning (text + the state written
                                                     # by the chunks before it), per row: what rescoring needs
     final: torch.Tensor | None = None               # [n, ...] each row's clean sample ([n, C, ...] its chunks), a view
@@ -194,7 +193,75 @@ class Batch:
     global_rewards: torch.Tensor | None = None      # [N·G] gathered from every process
     global_advantages: torch.Tensor | None = None   # [N·G]
     nfe: int = 0                                    # sample-steps of velocity evaluations on this process
-    extras: dict[str, Any] = field(default_factory=dict)  # what an algorithm's own rollout recorded for its update
+    extras: dict[str, Any] = field(default_factory=dict)  # what the plan, an algorithm's own rollout or its phase 4
+                                                          # recorded for the update; the loss only reads it
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What an algorithm needs of the trainer and of the rollout, declared (:attr:`Algorithm.needs`) so the trainer
+    never infers it from the algorithm's knobs.
+
+    Attributes:
+        reference: the update calls ``ctx.reference()`` (a KL or regression term to the initial policy). Only then
+            does a fully fine-tuned model keep a frozen copy, and an undeclared call raises.
+        shared_noise: the ``G`` members of a group start from one initial noise (the rollout then integrates their
+            common deterministic prefix once per prompt).
+        record_means: the rollout keeps each SDE step's mean under the sampling policy (``Batch.means``).
+        training_guidance: ``ctx.velocity`` applies the run's guidance (CFG), as the rollout sampled with it; False:
+            the conditional velocity (guidance scale 1).
+        whole_groups: the loss couples the members of a group at one trained step (DGPO): the trainer visits every
+            member's trained steps in the same order, and each training micro-batch holds whole groups.
+    """
+
+    reference: bool = False
+    shared_noise: bool = False
+    record_means: bool = False
+    training_guidance: bool = True
+    whole_groups: bool = False
+
+
+class Scores:
+    """Phase 4's input: this process's scored batch and the rewards of the whole (global) batch, gathered from every
+    process in process order (each process holds whole groups, so the gathered rows are whole groups too).
+
+    Args:
+        batch: this process's batch after phase 3 (``rewards``, ``components``).
+        gather: concatenates a per-process tensor over processes (``accelerator.gather``); the identity (the
+            default) on one process.
+
+    Attributes:
+        batch: as given; rewards: ``[N·G]`` the gathered rewards; group_size: ``G``.
+    """
+
+    def __init__(self, batch: Batch, gather=None):
+        self.batch = batch
+        self._gather = gather if gather is not None else (lambda t: t)
+        self.rewards = self.gather(batch.rewards)
+        self.group_size = batch.plan.group_size
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """``[n]`` values of this process's rows → ``[N·G]`` of the whole batch (on the rewards' device)."""
+        return self._gather(local.to(self.batch.rewards.device).contiguous())
+
+    def components(self, names) -> dict[str, torch.Tensor]:
+        """The named reward components of the whole batch (``{name: [N·G]}``), gathered."""
+        return {k: self._gather(self.batch.components[k].contiguous()) for k in names}
+
+
+@dataclass
+class GalleryNotes:
+    """What an algorithm adds to the training gallery (:meth:`Algorithm.gallery`), all per row.
+
+    Attributes:
+        columns: values shown beside the reward components (``{name: [n]}``).
+        notes: per row, more pieces for the label of the grid (None: the reward and the advantage only).
+        marks: ``[n, 2]`` the first and last pixel frame of a window to point out (NaN: none; None: nothing).
+    """
+
+    columns: dict[str, torch.Tensor] = field(default_factory=dict)
+    notes: list[list[str]] | None = None
+    marks: torch.Tensor | None = None
 
 
 class UpdateContext:
@@ -203,10 +270,16 @@ class UpdateContext:
     Attributes:
         params: the trainable parameters (what the optimizer updates), in ``named_parameters`` order.
         updates: optimizer updates so far.
+        iteration: the iteration being updated; epoch: its inner epoch (``trainer.inner_epochs``). What an
+            algorithm may key per-update caches by.
+
+    These attributes and the methods below are everything an algorithm reads of its context.
     """
 
     params: list[torch.nn.Parameter]
     updates: int = 0
+    iteration: int = 0
+    epoch: int = 0
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Any) -> torch.Tensor:
         """The trained policy's velocity at ``(x, σ)`` (``σ`` a scalar, ``[B]``, or per token as the adapter
@@ -216,7 +289,8 @@ class UpdateContext:
 
     def reference(self) -> ContextManager[None]:
         """A context in which :meth:`velocity` is the reference policy (LoRA disabled, or the frozen copy of a
-        fully fine-tuned model). Use under ``torch.no_grad()``."""
+        fully fine-tuned model). Use under ``torch.no_grad()``; only an algorithm that declares
+        ``Needs.reference`` may call it."""
         raise NotImplementedError
 
     def generator(self, *keys: int) -> torch.Generator:
@@ -258,10 +332,12 @@ class Algorithm:
 
     The constructor takes the schedule, the sampler's kernel / noise level / solver, and the fields of
     ``config_class`` as keywords (their defaults are the schema's): ``GRPO(sigmas, timestep_fraction=0.5)``. The
-    config instance is ``self.cfg``; its fields read as attributes (``algo.global_std``).
+    config instance is ``self.cfg`` (``algo.cfg.global_std``). ``aggregator``: a multi-component reward's
+    :class:`~flowgrpo.advantages.RewardAggregator` (``reward.aggregate``), which phase 4 then uses.
 
-    Shared behaviour: group-relative advantages (``algo.global_std``, ``algo.adv_clip``), no state. Subclasses
-    implement :meth:`plan`, :meth:`loss` and :meth:`trained_steps`, and override what their paper changes.
+    Shared behaviour: group-relative advantages (``algo.global_std``, ``algo.adv_clip``), or the aggregator handed
+    in for a multi-component reward; no state. Subclasses implement :meth:`plan`, :meth:`loss` and
+    :meth:`trained_steps`, declare what they need (:attr:`needs`) and override what their paper changes.
 
     Distributed use: call :meth:`plan` for the *global* batch with a generator seeded identically on every
     process (then slice rows), and :meth:`advantages` on the gathered rewards, so every process agrees.
@@ -271,11 +347,6 @@ class Algorithm:
     config_class: ClassVar[type] = AlgoConfig
     #: trains a streaming model (``model.family=causal_wan``): its plans have a chunk axis, one chunk per block
     streaming: ClassVar[bool] = False
-    #: its update reads the sampling policy's mean of every SDE step (``Batch.means``), which the rollout then keeps
-    records_means: ClassVar[bool] = False
-    #: its loss couples the members of a group at one trained step (DGPO): the trainer then visits every member's
-    #: trained steps in the same order and each training micro-batch holds whole groups
-    group_steps: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -292,6 +363,7 @@ class Algorithm:
         solver: str = "euler",
         cfg: Any = None,
         chunks: int = 1,
+        aggregator: Any = None,
         **options: Any,
     ) -> None:
         sigmas = torch.as_tensor(base_sigmas, dtype=torch.float32).detach().cpu()
@@ -322,19 +394,15 @@ class Algorithm:
         self.kernel = kernel
         self.noise_level = float(noise_level)
         self.solver = solver
-
-    def __getattr__(self, name: str) -> Any:
-        cfg = self.__dict__.get("cfg")
-        if cfg is not None and name in {f.name for f in dataclasses.fields(cfg)}:
-            return getattr(cfg, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        self.aggregator = aggregator
 
     @classmethod
-    def from_config(cls, algo_cfg, sampler_cfg, base_sigmas: torch.Tensor, chunks: int = 1) -> "Algorithm":
+    def from_config(cls, algo_cfg, sampler_cfg, base_sigmas: torch.Tensor, chunks: int = 1,
+                    aggregator: Any = None) -> "Algorithm":
         """Build from the ``algo`` and ``sampler`` nodes (see :func:`build_algorithm`)."""
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls.config_class), algo_cfg))
         return cls(base_sigmas, kernel=sampler_cfg.kernel, noise_level=float(sampler_cfg.noise_level),
-                   solver=sampler_cfg.solver, cfg=cfg, chunks=chunks)
+                   solver=sampler_cfg.solver, cfg=cfg, chunks=chunks, aggregator=aggregator)
 
     @classmethod
     def check_config(cls, algo_cfg, sampler_cfg) -> list[str]:
@@ -346,6 +414,26 @@ class Algorithm:
     def num_steps(self) -> int:
         """``T`` of the base schedule."""
         return self.base_sigmas.shape[0] - 1
+
+    @classmethod
+    def declare_needs(cls, algo_cfg) -> Needs:
+        """What this algorithm needs of the trainer and the rollout (:class:`Needs`) with the config ``algo_cfg`` (its
+        schema instance or the ``algo`` node), known before anything is built. The default reads the schema's shared
+        knobs: a reference policy when ``algo.kl_beta > 0`` (the KL / regression term to it), one noise per group
+        with ``algo.shared_noise``, the training guidance with ``algo.cfg_in_training``. An algorithm whose reference
+        term has another knob, that reads recorded means or that couples a group's members says so here."""
+        return Needs(reference=algo_cfg.kl_beta > 0, shared_noise=bool(algo_cfg.shared_noise),
+                     training_guidance=bool(algo_cfg.cfg_in_training))
+
+    @property
+    def needs(self) -> Needs:
+        """:meth:`declare_needs` of this instance's config."""
+        return self.declare_needs(self.cfg)
+
+    def baseline_members(self, group_size: int) -> torch.Tensor:
+        """``[G]`` bool: the members of a group that are a baseline sampled beside the trained ones and never
+        trained (KVPO: its last member, the unrouted reference run); none by default. What a diagnostic separates."""
+        return torch.zeros(group_size, dtype=torch.bool)
 
     # ---------------------------------------------------------------------------------------- phases
 
@@ -360,37 +448,22 @@ class Algorithm:
 
     def make_rollout(self, model: SamplingModel, **engine: Any) -> Rollout:
         """Phase 2's engine (:mod:`flowgrpo.rollout`): what samples this algorithm's plans. The default,
-        :class:`~flowgrpo.rollout.PlanRollout`, with the options this algorithm declares: one initial noise per group
-        (``algo.shared_noise``) and each SDE step's mean recorded (:attr:`records_means`). An algorithm that samples
+        :class:`~flowgrpo.rollout.PlanRollout`, with the options this algorithm declares (:attr:`needs`): one initial
+        noise per group (``shared_noise``) and each SDE step's mean recorded (``record_means``). An algorithm that samples
         in its own way (KVPO's routed branches) returns a :class:`~flowgrpo.rollout.Rollout` of its own.
 
         Args:
             model: what the rollout samples through (:class:`~flowgrpo.rollout.SamplingModel`).
             engine: :class:`~flowgrpo.rollout.Rollout`'s keywords (``seed``, ``batch_size``, ``between_chunks``).
         """
-        return PlanRollout(model, shared_noise=bool(self.cfg.shared_noise), record_means=bool(self.records_means),
-                           **engine)
+        needs = self.needs
+        return PlanRollout(model, shared_noise=needs.shared_noise, record_means=needs.record_means, **engine)
 
-    def local_advantages(self, batch: Batch) -> torch.Tensor | None:
-        """Phase 4 from this process's own whole groups (``batch.rewards`` and ``batch.components``), for an
-        algorithm whose advantages are relative to something inside each group (KVPO: its reference run); ``[n]``.
-        ``None`` (the default): :meth:`advantages` on the rewards gathered from every process."""
-        return None
-
-    def gallery_columns(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """Per-row values the training gallery shows beside the reward components (KVPO: each branch's policy
-        probability and where its routing started); none by default."""
-        return {}
-
-    def gallery_notes(self, batch: Batch) -> list[list[str]] | None:
-        """Per row, more pieces for the label of the training gallery's grid (KVPO: the branch and its policy
-        probability); None (the default): the reward and the advantage only."""
-        return None
-
-    def gallery_marks(self, batch: Batch) -> torch.Tensor | None:
-        """``[n, 2]``: per row the first and last pixel frame of a window the training gallery points out (KVPO:
-        the frames a branch generated with its routed context; NaN: none); None (the default): nothing marked."""
-        return None
+    def gallery(self, batch: Batch) -> GalleryNotes:
+        """What the training gallery shows of this algorithm beside the rewards (:class:`GalleryNotes`: KVPO's
+        branch, its policy probability and its routed frames); nothing by default. Reads the batch and the
+        algorithm's own state, never writes either."""
+        return GalleryNotes()
 
     @contextlib.contextmanager
     def sampling_policy(self, ctx: UpdateContext) -> Iterator[None]:
@@ -398,8 +471,20 @@ class Algorithm:
         the algorithm samples from a policy of its own (DiffusionNFT's old policy)."""
         yield
 
-    def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-        """Phase 4: ``group_advantages(rewards, G, global_std=algo.global_std, clip=algo.adv_clip)``."""
+    def advantages(self, scores: Scores) -> torch.Tensor:
+        """Phase 4, its one owner: ``[N·G]`` advantages of the whole batch from the gathered :class:`Scores`; every
+        process computes the same. The aggregator's, when one was handed in (``reward.aggregate``), else
+        :meth:`reward_advantages` of the gathered rewards. An algorithm whose advantages are relative to something
+        inside each group (KVPO: its reference run) computes them from ``scores.batch``'s whole groups and returns
+        ``scores.gather(local)``; it may record per-row quantities for its loss in ``batch.extras`` here."""
+        if self.aggregator is not None:
+            comps = scores.components(self.aggregator.weights)
+            return self.aggregator(comps, scores.group_size).to(scores.rewards.device)
+        return self.reward_advantages(scores.rewards, scores.group_size)
+
+    def reward_advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+        """The advantages of a reward vector ``[N·G]``: ``group_advantages(rewards, G, global_std=algo.global_std,
+        clip=algo.adv_clip)`` (the GRPO family may shape them: SLAS)."""
         return group_advantages(rewards, group_size, global_std=self.cfg.global_std, clip=self.cfg.adv_clip)
 
     def loss(self, ctx: UpdateContext, batch: Batch, rows: torch.Tensor,
@@ -464,7 +549,8 @@ class Algorithm:
         return rows, steps
 
 
-def build_algorithm(algo_cfg, sampler_cfg, base_sigmas: torch.Tensor, *, chunks: int = 1) -> Algorithm:
+def build_algorithm(algo_cfg, sampler_cfg, base_sigmas: torch.Tensor, *, chunks: int = 1,
+                    aggregator: Any = None) -> Algorithm:
     """The :class:`Algorithm` named by ``algo_cfg.name`` (``flowgrpo.algorithms.ALGORITHMS``).
 
     Args:
@@ -472,6 +558,8 @@ def build_algorithm(algo_cfg, sampler_cfg, base_sigmas: torch.Tensor, *, chunks:
         sampler_cfg: the ``sampler`` node (``flowgrpo.config.SamplerConfig``): kernel, noise level, solver.
         base_sigmas: ``[sampler.num_steps + 1]`` training schedule (``flowgrpo.build.Sampler.sigmas``: the model
             scheduler's own).
+        chunks: the chunks a sample is generated in (``adapter.num_chunks``: 1, or a streaming model's blocks).
+        aggregator: a multi-component reward's aggregator (``reward.aggregate``), handed to phase 4.
 
     Errors name the config key to change.
     """
@@ -487,4 +575,4 @@ def build_algorithm(algo_cfg, sampler_cfg, base_sigmas: torch.Tensor, *, chunks:
     if sigmas.ndim != 1 or sigmas.shape[0] != sampler_cfg.num_steps + 1:
         raise ValueError(f"base_sigmas has shape {tuple(sigmas.shape)}; sampler.num_steps={sampler_cfg.num_steps} "
                          f"needs [{sampler_cfg.num_steps + 1}] (build it with flowgrpo.build.build_sampler)")
-    return ALGORITHMS[algo_cfg.name].from_config(algo_cfg, sampler_cfg, sigmas, chunks=chunks)
+    return ALGORITHMS[algo_cfg.name].from_config(algo_cfg, sampler_cfg, sigmas, chunks=chunks, aggregator=aggregator)

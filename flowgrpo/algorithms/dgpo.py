@@ -17,7 +17,7 @@ reference's error (LoRA disabled), or with ``algo.use_ema_ref`` the error of a s
 The rollout is the sampler's ODE (the authors': noise level 0); only each sample's clean ``x₀`` and reward are kept.
 The update trains ``algo.train_timesteps`` distinct noise levels drawn from the first ``algo.trunc_steps + 1`` of the
 grid (the high-noise end), the same for every sample of the batch, every member of a group at the same level with
-the same noise in the same micro-batch (``group_steps``: the trainer keeps groups whole; the per-process micro-batch
+the same noise in the same micro-batch (``Needs.whole_groups``: the trainer keeps groups whole; the per-process micro-batch
 must be a multiple of the group size). The authors' "DSM clip": with ``algo.clip_dsm``, a sample whose
 ``ρ = exp(ℓ_ema − ℓ_θ)`` left ``[1 − ε, 1 + ε]`` in its advantage's direction (``A > 0, ρ > 1 + ε`` or
 ``A ≤ 0, ρ < 1 − ε``; ``ε = algo.clip_range``) stops contributing a gradient through ``ℓ_θ``; ``ℓ_ema`` is the error of
@@ -32,6 +32,7 @@ rollout samples with the model's guidance. Not reproduced: their switch of the s
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,7 @@ import torch
 
 from ..config import AlgoConfig
 from ..knobs import knob
-from .base import Algorithm, Batch, UpdateContext
+from .base import Algorithm, Batch, Needs, UpdateContext
 from .losses import add_velocity_kl, keyed_noise, renoise, sq_mean
 from .old_policy import OldPolicy
 
@@ -99,7 +100,13 @@ class DGPO(Algorithm):
 
     name = "dgpo"
     config_class = DGPOConfig
-    group_steps = True
+
+    @classmethod
+    def declare_needs(cls, algo_cfg) -> Needs:
+        """Whole groups at one trained step; the reference's velocity for the DPO margin (unless the slow copy
+        stands in, ``algo.use_ema_ref``) and for the KL term."""
+        return dataclasses.replace(super().declare_needs(algo_cfg), whole_groups=True,
+                                   reference=not algo_cfg.use_ema_ref or algo_cfg.kl_beta > 0)
 
     def __init__(self, base_sigmas: torch.Tensor, **kwargs) -> None:
         super().__init__(base_sigmas, **kwargs)
@@ -141,7 +148,7 @@ class DGPO(Algorithm):
 
     def _follow(self, ctx: UpdateContext) -> None:
         """Move the slow copy once per optimizer update since it last moved (``d = min(cap, 0.001·u)`` at each)."""
-        updates = int(getattr(ctx, "updates", 0))
+        updates = int(ctx.updates)
         self.ema.ensure(ctx.params)
         while self._moved_at < updates:
             self._moved_at += 1
@@ -157,7 +164,7 @@ class DGPO(Algorithm):
         if groups is None or bool((groups != groups[:, :1] + torch.arange(G)).any()) \
                 or bool((groups[:, 0] % G != 0).any()) or bool((steps.view(-1, G) != steps.view(-1, G)[:, :1]).any()):
             raise ValueError("algo=dgpo needs whole groups at one trained step per loss call (the trainer's "
-                             "group_steps): a micro-batch of trainer.group_size multiples, rows in group order")
+                             "Needs.whole_groups): a micro-batch of trainer.group_size multiples, rows in group order")
         x0 = batch.latents[rows, -1]
         sigma = plan.sigmas[steps].to(x0.device)
         # one noise per (group, noise level), keyed by the global group: the same on any number of processes and
@@ -171,8 +178,10 @@ class DGPO(Algorithm):
         if self.uses_ema:
             self._follow(ctx)
         with torch.no_grad():  # before v_θ: swapping the slow copy in changes the parameters in place
-            with ctx.reference():
-                v_ref = ctx.velocity(x_t, sigma, cond)
+            v_ref = None
+            if self.needs.reference:
+                with ctx.reference():
+                    v_ref = ctx.velocity(x_t, sigma, cond)
             v_ema = None
             if self.uses_ema:
                 with self.ema.swapped_in(ctx.params):

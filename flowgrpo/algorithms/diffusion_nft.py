@@ -160,7 +160,7 @@ class DiffusionNFT(Algorithm):
         """``θ_old ← η·θ_old + (1−η)·θ``, ``η`` = :func:`old_policy_decay` at ``ctx.updates``."""
         if ctx is None:
             return
-        self.old.move(ctx.params, keep=old_policy_decay(int(getattr(ctx, "updates", 0)), self.cfg.decay_type))
+        self.old.move(ctx.params, keep=old_policy_decay(int(ctx.updates), self.cfg.decay_type))
 
     def state_dict(self) -> dict:
         return {"old": self.old.state_dict()}

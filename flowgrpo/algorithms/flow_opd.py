@@ -41,6 +41,7 @@ the teachers' (each tensor averaged, as their LoRA merge); a resumed run keeps i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
@@ -51,7 +52,7 @@ from samplers import sde_kl, sde_step
 
 from ..config import ConfigError
 from ..knobs import knob
-from .base import Batch, UpdateContext
+from .base import Batch, Needs, UpdateContext
 from .grpo import GRPO, GRPOConfig
 from .losses import ppo_clip_loss, reduce_log_prob
 from .old_policy import OldPolicy
@@ -99,6 +100,10 @@ class FlowOPD(GRPO):
 
     name = "flow_opd"
     config_class = FlowOPDConfig
+
+    @classmethod
+    def declare_needs(cls, algo_cfg) -> Needs:  # MAR regresses to the reference unless algo.mar names a checkpoint
+        return dataclasses.replace(super().declare_needs(algo_cfg), reference=algo_cfg.mar_beta > 0 and not algo_cfg.mar)
 
     def __init__(self, base_sigmas: torch.Tensor, **kwargs) -> None:
         super().__init__(base_sigmas, **kwargs)

@@ -13,7 +13,7 @@ updates pass unclipped. GRPO-Guard's two changes, as this module implements them
 * **ratio normalisation**: ``log r̂ = s·(log r + mean(d²)/(2s²))``, which equals ``mean(z ⊙ (μ_θ − μ_old))``
   exactly: zero-mean in ``z`` and on the same scale at every step. It is computed in that closed form from the
   stored transition (``z = (x' − μ_old)/s``), which is why the rollout keeps each SDE step's mean ``μ_old``
-  (``Batch.means``; the algorithm's ``records_means``). The bias term keeps its gradient, so
+  (``Batch.means``; the algorithm declares ``Needs.record_means``). The bias term keeps its gradient, so
   ``∇log r̂ = mean(z ⊙ ∇μ_θ)``.
 * **step reweighting** (``algo.step_reweight``): each transition's clipped surrogate is divided by ``|Δσ|`` of its
   step. As ``∂μ/∂v = −Δσ·(1 + g²(1−σ)/(2σ))`` for the Flow-GRPO kernel, the gradient through ``v_θ`` is then
@@ -30,13 +30,14 @@ the default ``1e-4`` on the per-element scale is Flow-Factory's.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from samplers import StepOutput
 
-from .base import Batch
+from .base import Batch, Needs
 from .grpo import GRPO, GRPOConfig
 from .losses import reduce_log_prob
 
@@ -81,7 +82,10 @@ class GRPOGuard(GRPO):
 
     name = "grpo_guard"
     config_class = GRPOGuardConfig
-    records_means = True
+
+    @classmethod
+    def declare_needs(cls, algo_cfg) -> Needs:  # the normalised ratio reads the rollout's mean of every SDE step
+        return dataclasses.replace(super().declare_needs(algo_cfg), record_means=True)
 
     def ratio_terms(self, batch: Batch, step: StepOutput, rows: torch.Tensor,
                     steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

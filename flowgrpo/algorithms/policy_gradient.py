@@ -22,6 +22,7 @@ from samplers import sde_kl, sde_step
 from ..advantages import slas_advantages
 from ..config import AlgoConfig
 from ..knobs import knob
+from ..rollout import StoredTransitions
 from .base import Algorithm, Batch, RolloutPlan, UpdateContext
 from .losses import REDUCTIONS, ppo_clip_loss, reduce_log_prob
 
@@ -47,10 +48,10 @@ class PolicyGradient(Algorithm):
 
     config_class = PolicyGradientConfig
 
-    def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-        """Phase 4: the group advantages, or with ``algo.slas_gamma`` the SLAS-shaped ones."""
+    def reward_advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+        """The group advantages, or with ``algo.slas_gamma`` the SLAS-shaped ones."""
         if self.cfg.slas_gamma is None:
-            return super().advantages(rewards, group_size)
+            return super().reward_advantages(rewards, group_size)
         return slas_advantages(rewards, group_size, gamma=self.cfg.slas_gamma, clip=self.cfg.adv_clip)
 
     def _adv_text(self) -> str:
@@ -75,38 +76,18 @@ class PolicyGradient(Algorithm):
         return log_prob, old, self.loss_weights(batch.plan, rows, steps)
 
     def _transition(self, ctx: UpdateContext, batch: Batch, rows: torch.Tensor, steps: torch.Tensor):
-        """Rescore the stored transitions ``(rows, steps)`` with the current weights. With a chunk axis
-        (streaming), chunk ``c``'s transitions are rescored under the conditioning it was generated under
-        (``batch.chunk_conds[c]``): one velocity call per chunk present."""
+        """Rescore the stored transitions ``(rows, steps)`` with the current weights, each under the conditioning it
+        was sampled with (:class:`~flowgrpo.rollout.StoredTransitions`, whatever the batch's chunk layout).
+        Returns ``(step, v, transitions)``."""
         plan = batch.plan
         rows, steps = self._check_transitions(plan, rows, steps)
         if not bool(plan.sde_mask.flatten(1)[rows, steps].all()):
             raise ValueError("a trained transition must be an SDE step (only those have a log-prob)")
-        chunks, steps = plan.chunk_step(steps)
-        if plan.num_chunks == 1:
-            x, x_next = batch.latents[rows, steps], batch.latents[rows, steps + 1]
-        else:
-            x, x_next = batch.latents[rows, chunks, steps], batch.latents[rows, chunks, steps + 1]
-        sigma, sigma_next = plan.sigmas[steps].to(x.device), plan.sigmas[steps + 1].to(x.device)
-        if plan.num_chunks == 1:
-            cond = batch.cond[rows]
-            v = ctx.velocity(x, sigma, cond)
-        else:  # each chunk under its own conditioning (the KL term does the same with cond=None)
-            cond = None
-            v = self._chunked_velocity(ctx, batch, rows, chunks, x, sigma)
-        out = sde_step(v, x, sigma, sigma_next, kernel=plan.kernel, noise_level=plan.noise_level, prev_sample=x_next)
-        return out, v, (x, sigma, sigma_next, cond, rows, steps, chunks)
-
-    @staticmethod
-    def _chunked_velocity(ctx: UpdateContext, batch: Batch, rows, chunks, x, sigma) -> torch.Tensor:
-        v = None
-        for c in chunks.unique().tolist():
-            sel = (chunks == c).nonzero().squeeze(1)
-            part = ctx.velocity(x[sel], sigma[sel], batch.chunk_conds[c][rows[sel]])
-            if v is None:
-                v = part.new_empty(x.shape)
-            v[sel] = part
-        return v
+        t = StoredTransitions(batch, rows, steps)
+        v = t.velocity(ctx.velocity)
+        out = sde_step(v, t.x, t.sigma, t.sigma_next, kernel=plan.kernel, noise_level=plan.noise_level,
+                       prev_sample=t.x_next)
+        return out, v, t
 
     @torch.no_grad()
     def transition_log_prob(self, ctx: UpdateContext, batch: Batch, rows: torch.Tensor,
@@ -119,16 +100,16 @@ class PolicyGradient(Algorithm):
              steps: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         cfg = self.cfg
         flat = torch.as_tensor(steps, dtype=torch.long).cpu()
-        step, v, (x, sigma, sigma_next, cond, rows, steps, chunks) = self._transition(ctx, batch, rows, steps)
-        numel = x[0].numel()
+        step, v, t = self._transition(ctx, batch, rows, steps)
+        rows = t.rows
+        numel = t.x[0].numel()
         log_prob, old, weights = self.ratio_terms(batch, step, rows, flat)
         loss, info = ppo_clip_loss(log_prob, old, batch.advantages[rows], clip_range=cfg.clip_range,
-                                   weights=weights.to(x.device))
+                                   weights=weights.to(t.x.device))
         if cfg.kl_beta > 0:
             with torch.no_grad(), ctx.reference():
-                v_ref = (ctx.velocity(x, sigma, cond) if cond is not None
-                         else self._chunked_velocity(ctx, batch, rows, chunks, x, sigma))
-            kl = sde_kl(v, v_ref, sigma, sigma_next, kernel=batch.plan.kernel, noise_level=batch.plan.noise_level)
+                v_ref = t.velocity(ctx.velocity)
+            kl = sde_kl(v, v_ref, t.sigma, t.sigma_next, kernel=batch.plan.kernel, noise_level=batch.plan.noise_level)
             if cfg.logprob_reduction == "mean":
                 kl = kl / numel
             loss = loss + cfg.kl_beta * kl.mean()

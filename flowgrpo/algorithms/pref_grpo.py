@@ -23,13 +23,14 @@ pointwise reward, which keeps its meaning (the mean win rate is ½ by constructi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import List
 
 import torch
 
 from ..knobs import knob
-from .base import Batch
+from .base import Batch, Needs, Scores
 from .grpo import GRPO
 from .grpo_guard import GRPOGuard, GRPOGuardConfig
 from .policy_gradient import PolicyGradient
@@ -94,9 +95,9 @@ class PrefGRPO(GRPOGuard):
     name = "pref_grpo"
     config_class = PrefGRPOConfig
 
-    @property
-    def records_means(self) -> bool:  # the normalised ratio needs the rollout's means
-        return bool(self.cfg.ratio_norm)
+    @classmethod
+    def declare_needs(cls, algo_cfg) -> Needs:  # the normalised ratio needs the rollout's means; the plain one does not
+        return dataclasses.replace(super().declare_needs(algo_cfg), record_means=bool(algo_cfg.ratio_norm))
 
     def ratio_terms(self, batch, step, rows, steps):
         if self.cfg.ratio_norm:
@@ -113,13 +114,14 @@ class PrefGRPO(GRPOGuard):
                            f"{sorted(batch.components)}); set algo.judge=[] to compare the training reward")
         return torch.stack([batch.components[c].detach().double().cpu() for c in self.cfg.judge], dim=1)
 
-    def local_advantages(self, batch: Batch) -> torch.Tensor:
-        """Per group of this process, the judge's preferences over its pairs → win rates → advantages."""
+    def advantages(self, scores: Scores) -> torch.Tensor:
+        """Per group of this process, the judge's preferences over its pairs → win rates → advantages; gathered."""
+        batch = scores.batch
         G = batch.plan.group_size
-        scores = self.judge_scores(batch)
-        win = torch.cat([win_rates(verdict_preferences(scores[p:p + G], self.cfg.tie_margin))
-                         for p in range(0, scores.shape[0], G)])
-        return preference_advantages(win, G, self.cfg.adv_clip)
+        judged = self.judge_scores(batch)
+        win = torch.cat([win_rates(verdict_preferences(judged[p:p + G], self.cfg.tie_margin))
+                         for p in range(0, judged.shape[0], G)])
+        return scores.gather(preference_advantages(win, G, self.cfg.adv_clip))
 
     def _adv_text(self) -> str:
         judged = "+".join(self.cfg.judge) if self.cfg.judge else "the reward"

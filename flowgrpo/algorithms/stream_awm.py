@@ -56,7 +56,7 @@ from ..advantages import group_advantages
 from ..config import AlgoConfig
 from ..knobs import knob
 from .awm import WEIGHTINGS, EMATrustRegion, awm_objective, scaled_advantages
-from .base import Algorithm, Batch, UpdateContext
+from .base import Algorithm, Batch, Scores, UpdateContext
 from .losses import keyed_noise, renoise
 from .old_policy import OldPolicy
 
@@ -198,18 +198,21 @@ class StreamAWM(EMATrustRegion, Algorithm):
                    f"re-noised to its own stratified noise level")
 
     # ------------------------------------------------------------------------------------------ phase 4
-    def local_advantages(self, batch: Batch) -> torch.Tensor | None:
-        """Per-segment group advantages (``algo.advantage=segment`` or ``stream+segment``) are kept in
-        ``batch.extras``. ``segment`` returns each stream's mean of them over its blocks (the stream's logged
-        advantage); ``stream`` and ``stream+segment`` return ``None``: the stream advantages of the gathered
-        rewards."""
+    def advantages(self, scores: Scores) -> torch.Tensor:
+        """Per-segment group advantages (``algo.advantage=segment`` or ``stream+segment``, from this process's
+        whole groups) are kept in ``batch.extras`` for the loss. ``segment`` returns each stream's mean of them over
+        its blocks (the stream's logged advantage), gathered; ``stream`` and ``stream+segment`` the stream
+        advantages of the gathered rewards."""
         if self.cfg.advantage == "stream":
-            return None
+            return super().advantages(scores)
+        batch = scores.batch
         segments = batch.cond.segments.cpu()
         per_segment = segment_advantages(batch.components, segments, batch.plan.group_size,
                                          list(self.cfg.segment_components), self.cfg.adv_clip)
         batch.extras["segment_advantages"] = per_segment
-        return per_segment.gather(1, segments).mean(1) if self.cfg.advantage == "segment" else None
+        if self.cfg.advantage == "segment":
+            return scores.gather(per_segment.gather(1, segments).mean(1))
+        return super().advantages(scores)
 
     def block_advantages(self, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
         """``[b, K]`` each block's advantage before scaling: its stream's, its segment's, or their sum."""

@@ -3,7 +3,8 @@ per job:
 
 - :mod:`~flowgrpo.build.model` — the model adapter (:func:`build_adapter`), its call keywords (:func:`model_kwargs`);
 - :mod:`~flowgrpo.build.sampler` — the schedules, kernel and solver (:func:`build_sampler`);
-- :mod:`~flowgrpo.build.reward` — the reward (:func:`build_reward`);
+- :mod:`~flowgrpo.build.reward` — the reward (:func:`build_reward`) and a multi-component reward's aggregator
+  (:func:`build_aggregator`);
 - :mod:`~flowgrpo.build.prompts` — the prompt sets (:func:`build_prompts`, :func:`prompt_pools`);
 - :mod:`~flowgrpo.build.checks` — the checks that need no weights (:func:`preflight`, :func:`check_config`);
 - :mod:`~flowgrpo.build.logger` — scalar logging (:func:`build_logger`);
@@ -29,7 +30,7 @@ from .checks import (MIN_FREE_BYTES, Preflight, check_config, check_output_dir, 
                         check_reward_model, check_sizes, check_stream_prompts, checkpoint_bytes, preflight,
                         reward_modality, size_multiples)
 from .prompts import PromptSet, build_prompts, prompt_pools, tag_rows
-from .reward import build_reward
+from .reward import build_aggregator, build_reward
 from .sampler import Sampler, build_sampler
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "Sampler",
     "build_sampler",
     "build_reward",
+    "build_aggregator",
     "PromptSet",
     "prompt_pools",
     "build_prompts",

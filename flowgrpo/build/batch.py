@@ -87,7 +87,7 @@ def batch_plan(cfg: DictConfig, num_processes: int = 1, trained_steps: tuple[int
         raise ValueError(f"trainer.train_batch_size={B} (global) must be a multiple of the {P} processes")
     algorithms = load_algorithms()  # the registry's classes say whether an update keeps groups whole
     algorithm = algorithms.get(cfg.algo.name)  # an unknown name is reported by build_algorithm, naming algo.name
-    if algorithm is not None and algorithm.group_steps and (B // P) % G:
+    if algorithm is not None and algorithm.declare_needs(cfg.algo).whole_groups and (B // P) % G:
         raise ValueError(f"algo={cfg.algo.name} trains whole groups per micro-batch: the per-process micro-batch "
                          f"(trainer.train_batch_size={B} / {P} processes = {B // P}) must be a multiple of "
                          f"trainer.group_size={G}")

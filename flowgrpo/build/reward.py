@@ -6,7 +6,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..config import config_key, validate
 
-__all__ = ["build_reward"]
+__all__ = ["build_reward", "build_aggregator"]
 
 
 def build_reward(reward: DictConfig):
@@ -24,3 +24,18 @@ def build_reward(reward: DictConfig):
         return rewards.load(reward.name, **kwargs)
     except TypeError as err:
         raise TypeError(f"{config_key(reward, 'kwargs')}={kwargs!r} rejected by reward {reward.name!r}: {err}") from err
+
+
+def build_aggregator(cfg: DictConfig, reward):
+    """The :class:`~flowgrpo.advantages.RewardAggregator` of ``reward.aggregate`` for the built ``reward``, or None for
+    ``sum`` (the algorithm normalises the weighted sum like any reward); ``global_std`` and ``clip`` are the
+    algorithm's (``algo.global_std``, ``algo.adv_clip``). The algorithm is handed it: phase 4 is the algorithm's."""
+    from ..advantages import RewardAggregator
+
+    if cfg.reward.aggregate.name == "sum":
+        return None
+    if not hasattr(reward, "weights"):
+        raise ValueError(f"reward.aggregate.name={cfg.reward.aggregate.name!r} needs a multi-component reward "
+                         f"(reward=multi); {cfg.reward.name!r} has no per-component weights")
+    return RewardAggregator(cfg.reward.aggregate, reward.weights, global_std=cfg.algo.global_std,
+                            clip=cfg.algo.adv_clip)

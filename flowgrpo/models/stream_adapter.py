@@ -31,6 +31,7 @@ import torch
 
 from samplers import chunked_rollout, stream_sigmas
 
+from ..registry import TEMPORAL_FACTORS
 from .base import TransformerAccess
 from .causal_wan import CacheState, teacher_forcing_mask
 from .stream_pipeline import StreamingWanPipeline
@@ -167,7 +168,7 @@ class StreamAdapter(TransformerAccess):
     chunked = True  # the trainer integrates chunk by chunk (samplers.chunked_rollout)
     #: Pixel frames per latent frame after the first: Wan's (:attr:`WanAdapter.temporal_factor`), on the class before a
     #: model loads; on an adapter, its VAE's.
-    temporal_factor: int = WanAdapter.temporal_factor
+    temporal_factor: int = TEMPORAL_FACTORS["causal_wan"]
 
     def __init__(self, stream: StreamingWanPipeline):
         if stream.config.context_sigma != 0:
@@ -194,6 +195,13 @@ class StreamAdapter(TransformerAccess):
             raise ValueError(f"the streaming model denoises each block in {c.num_steps} steps (model.stream.num_steps); "
                              f"sampler.num_steps={num_steps} must match it")
         return torch.cat([stream_sigmas(c.num_steps, c.shift), torch.zeros(1)])
+
+    def stream_layout(self) -> dict:
+        """The streaming geometry in latent frames, what a rollout that routes a stream's context plans with:
+        ``block_frames``, ``sink_frames``, ``window_frames``, ``cache_frames``, ``recache``."""
+        c = self.config
+        return {"block_frames": c.block_frames, "sink_frames": c.sink_frames, "window_frames": c.window_frames,
+                "cache_frames": c.cache_frames, "recache": c.recache}
 
     def num_chunks(self, num_frames: int) -> int:
         """Blocks of a video of ``num_frames`` pixel frames."""

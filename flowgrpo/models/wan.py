@@ -8,6 +8,7 @@ import torch
 from diffusers import WanPipeline
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
 
+from ..registry import TEMPORAL_FACTORS
 from .base import FlowAdapter, PromptEmbeds
 
 __all__ = ["WanAdapter", "use_fast_channel_norms"]
@@ -82,7 +83,7 @@ class WanAdapter(FlowAdapter):
     #: Pixel frames per latent frame after the first (pixel frame 0 is latent frame 0): Wan's VAE compresses time 4x
     #: (2.1 and 2.2 alike). Read on the class, what a config is checked against before a pipeline loads; on an
     #: adapter, its own VAE's (``scale_factor_temporal``).
-    temporal_factor: int = 4
+    temporal_factor: int = TEMPORAL_FACTORS["wan"]
 
     def __init__(self, pipe: WanPipeline):
         if getattr(pipe, "transformer_2", None) is not None or pipe.transformer is None:

@@ -14,7 +14,7 @@ import torch
 from ...config import AlgoConfig
 from ...knobs import knob
 from ...rollout import Rollout, SamplingModel
-from ..base import Algorithm, Batch, UpdateContext
+from ..base import Algorithm, Batch, GalleryNotes, Scores, UpdateContext
 from ..old_policy import OldPolicy
 from .objective import branch_log_policy, fuse_advantages, kvpo_loss, reference_relative_advantages, tve_scores
 from .routing import RoutingPlan, plan_routing
@@ -54,9 +54,11 @@ class KVPO(Algorithm):
     context (TVE), and applies PPO on the branch simplex with the KL to the initial policy.
 
     Phases through the contract: :meth:`plan` (the chunk axis and one update unit per row), :meth:`make_rollout`
-    (the branched streams, :class:`BranchedRollout`, with the old policy), :meth:`local_advantages` (relative to each
+    (the branched streams, :class:`BranchedRollout`, with the old policy), :meth:`advantages` (relative to each
     group's reference run), :meth:`loss` (per micro-batch: the exact gradient of each group's loss for the branches it
-    holds), :meth:`end_iteration` (old-policy sync).
+    holds), :meth:`end_iteration` (old-policy sync), :meth:`gallery` (each branch, its policy probability and its
+    routed frames). It needs the reference policy only for its KL term (``algo.kl_beta > 0``); the reference runs
+    are the last member of each group (:meth:`baseline_members`).
     """
 
     name = "kvpo"
@@ -68,6 +70,8 @@ class KVPO(Algorithm):
         self.old = OldPolicy()
         self.iterations_since_sync = 0
         self._cache: dict[tuple, torch.Tensor] = {}
+        # π of each branch under the policy of the update's last loss of an iteration, for the gallery: (iteration, [n])
+        self._pi: tuple[int, torch.Tensor] | None = None
 
     @classmethod
     def check_config(cls, algo_cfg, sampler_cfg) -> list[str]:
@@ -87,6 +91,10 @@ class KVPO(Algorithm):
         train = torch.zeros(rows, K, S, dtype=torch.bool)
         train[:, 0, 0] = True  # one update unit per row: its branch (the reference rows weigh nothing)
         return self._make_plan(self.base_sigmas, sde, train, group_size)
+
+    def baseline_members(self, group_size: int) -> torch.Tensor:
+        """The last member of each group: the unrouted reference run, the baseline of the group's branches."""
+        return torch.arange(group_size) == group_size - 1
 
     def trained_steps(self) -> tuple[int, str]:
         return 1, ("algo=kvpo: one TVE replay per routed branch (the reference run of each group is the baseline, "
@@ -118,7 +126,10 @@ class KVPO(Algorithm):
         return BranchedRollout(self, model, **engine)
 
     # ------------------------------------------------------------------------------------------ phase 4
-    def local_advantages(self, batch: Batch) -> torch.Tensor:
+    def advantages(self, scores: Scores) -> torch.Tensor:
+        """Each branch's fused local and global advantage relative to its group's reference run (computed on this
+        process's whole groups, then gathered); whether any branch beat it is kept for the loss."""
+        batch = scores.batch
         G1 = batch.plan.group_size
         G = G1 - 1
         n = len(batch.prompts)
@@ -150,7 +161,7 @@ class KVPO(Algorithm):
             adv[rows[:G]] = fuse_advantages(local, global_, w_local=self.cfg.w_local, w_global=self.cfg.w_global,
                                             clip=self.cfg.adv_clip)
         batch.extras["beats_reference"] = torch.tensor(beats)
-        return adv
+        return scores.gather(adv)
 
     # ------------------------------------------------------------------------------------------ phase 5
     def replay_scores(self, ctx: UpdateContext, batch: Batch, rows: torch.Tensor, *, grad: bool) -> torch.Tensor:
@@ -195,8 +206,7 @@ class KVPO(Algorithm):
     def _group_scores(self, ctx: UpdateContext, batch: Batch, group: int, which: str) -> torch.Tensor:
         """No-grad TVE scores of a group's ``G`` branches under the old, initial or current weights, once per
         (iteration, epoch, group) — the current ones also per optimizer update."""
-        key = (which, int(getattr(ctx, "iteration", 0)), int(getattr(ctx, "epoch", 0)), group,
-               int(getattr(ctx, "updates", 0)) if which == "current" else -1)
+        key = (which, int(ctx.iteration), int(ctx.epoch), group, int(ctx.updates) if which == "current" else -1)
         if key not in self._cache:
             G1 = batch.plan.group_size
             rows = torch.arange(group * G1, group * G1 + G1 - 1)
@@ -217,19 +227,23 @@ class KVPO(Algorithm):
         rows, steps = self._check_transitions(batch.plan, rows, steps)
         G1 = batch.plan.group_size
         G = G1 - 1
-        current_iteration = (int(getattr(ctx, "iteration", 0)), int(getattr(ctx, "epoch", 0)))
+        current_iteration = (int(ctx.iteration), int(ctx.epoch))
         self._cache = {k: v for k, v in self._cache.items() if (k[1], k[2]) == current_iteration}
+        if self._pi is None or self._pi[0] != ctx.iteration or len(self._pi[1]) != len(batch.prompts):
+            self._pi = (int(ctx.iteration), torch.full((len(batch.prompts),), float("nan")))
+        reference = self.needs.reference  # the initial policy of the KL term: only with algo.kl_beta > 0
         total, infos = None, []
         groups = [g for g in sorted(set((rows // G1).tolist())) if bool(((rows // G1 == g) & (rows % G1 < G)).any())]
         for group in groups:  # every weight swap (old policy, reference) before any graph is built
             self._group_scores(ctx, batch, group, "old")
-            self._group_scores(ctx, batch, group, "init")
+            if reference:
+                self._group_scores(ctx, batch, group, "init")
             if int(((rows // G1 == group) & (rows % G1 < G)).sum()) < G:
                 self._group_scores(ctx, batch, group, "current")
         for group in groups:
             members = rows[(rows // G1 == group) & (rows % G1 < G)]
             old = self._group_scores(ctx, batch, group, "old")
-            init = self._group_scores(ctx, batch, group, "init")
+            init = self._group_scores(ctx, batch, group, "init") if reference else None
             adv = batch.advantages[group * G1: group * G1 + G].detach().float().cpu()
             beats = bool(batch.extras["beats_reference"][group])
             live = self.replay_scores(ctx, batch, members, grad=True)
@@ -237,7 +251,8 @@ class KVPO(Algorithm):
             if len(members) == G:  # the whole group: its loss directly
                 order = torch.tensor(idx).argsort()
                 scores = live[order]
-                group_loss, info = kvpo_loss(scores, old.to(scores.device), init.to(scores.device),
+                group_loss, info = kvpo_loss(scores, old.to(scores.device),
+                                             None if init is None else init.to(scores.device),
                                              adv.to(scores.device), clip_low=self.cfg.clip_low,
                                              clip_high=self.cfg.clip_high, kl_coef=self.cfg.kl_beta,
                                              any_branch_beats_reference=beats)
@@ -253,8 +268,7 @@ class KVPO(Algorithm):
             with torch.no_grad():  # π of the group's branches at this update, for the gallery
                 scores = (live.detach().float().cpu()[torch.tensor(idx).argsort()] if len(members) == G
                           else self._group_scores(ctx, batch, group, "current").float().cpu())
-                pi = batch.extras.setdefault("pi", torch.full((len(batch.prompts),), float("nan")))
-                pi[group * G1: group * G1 + G] = branch_log_policy(scores).exp()
+                self._pi[1][group * G1: group * G1 + G] = branch_log_policy(scores).exp()
         if total is None:  # only reference runs in this micro-batch: nothing to train
             zero = sum(p.sum() * 0.0 for p in ctx.params)
             return zero, {}
@@ -262,12 +276,20 @@ class KVPO(Algorithm):
         # the mean over groups of their losses, whatever the micro-batching: each micro-batch weighs its rows' share
         return total / (len(rows) / G1), info
 
-    def gallery_columns(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """``kvpo/pi``: each branch's probability under the policy of the update's last loss (NaN for the reference
-        runs); ``kvpo/routed_from`` / ``kvpo/routed_to``: the pixel frames its routed blocks cover (NaN for the
-        reference runs); ``kvpo/branch``: the branch index (-1: the reference run)."""
+    def gallery(self, batch: Batch) -> GalleryNotes:
+        """Columns ``kvpo/pi``: each branch's probability under the policy of the update's last loss (NaN for the
+        reference runs); ``kvpo/routed_from`` / ``kvpo/routed_to``: the pixel frames its routed blocks cover (NaN for
+        the reference runs); ``kvpo/branch``: the branch index (-1: the reference run). Notes ``branch g  pi 0.312
+        routed 13-20`` for a branch, ``reference run`` for the unrouted one. Marks: each group's routed pixel frames,
+        on its reference run too (there they are the same frames generated unrouted, so a group's rows show the same
+        frames side by side)."""
+        columns = self._gallery_columns(batch)
+        return GalleryNotes(columns=columns, notes=self._gallery_notes(batch, columns),
+                            marks=self._gallery_marks(batch, columns))
+
+    def _gallery_columns(self, batch: Batch) -> dict[str, torch.Tensor]:
         n, G1 = len(batch.prompts), batch.plan.group_size
-        pi = batch.extras.get("pi", torch.full((n,), float("nan")))
+        pi = self._pi[1] if self._pi is not None and len(self._pi[1]) == n else torch.full((n,), float("nan"))
         start = torch.full((n,), float("nan"))
         end = torch.full((n,), float("nan"))
         branch = torch.tensor([-1.0 if r % G1 == G1 - 1 else float(r % G1) for r in range(n)])
@@ -280,9 +302,8 @@ class KVPO(Algorithm):
                 end[r] = t * (plan.end_frame - 1)
         return {"kvpo/pi": pi, "kvpo/routed_from": start, "kvpo/routed_to": end, "kvpo/branch": branch}
 
-    def gallery_notes(self, batch: Batch) -> list[list[str]]:
-        """``branch g  pi 0.312  routed 13-20`` for a branch, ``reference run`` for the unrouted one."""
-        columns = self.gallery_columns(batch)
+    @staticmethod
+    def _gallery_notes(batch: Batch, columns: dict[str, torch.Tensor]) -> list[list[str]]:
         notes = []
         for r in range(len(batch.prompts)):
             g = int(columns["kvpo/branch"][r])
@@ -294,10 +315,8 @@ class KVPO(Algorithm):
                          + [f"routed {int(columns['kvpo/routed_from'][r])}-{int(columns['kvpo/routed_to'][r])}"])
         return notes
 
-    def gallery_marks(self, batch: Batch) -> torch.Tensor:
-        """Each group's routed pixel frames (``kvpo/routed_from`` .. ``kvpo/routed_to``), on its reference run too:
-        there they are the same frames generated unrouted, so a group's rows show the same frames side by side."""
-        columns = self.gallery_columns(batch)
+    @staticmethod
+    def _gallery_marks(batch: Batch, columns: dict[str, torch.Tensor]) -> torch.Tensor:
         G1 = batch.plan.group_size
         marks = torch.stack([columns["kvpo/routed_from"], columns["kvpo/routed_to"]], dim=1)
         for r in range(G1 - 1, len(batch.prompts), G1):

@@ -172,7 +172,7 @@ def fuse_advantages(local: torch.Tensor | None, global_: torch.Tensor | None, *,
 def kvpo_loss(
     logp_new: torch.Tensor,
     logp_old: torch.Tensor,
-    logp_init: torch.Tensor,
+    logp_init: torch.Tensor | None,
     advantages: torch.Tensor,
     *,
     clip_low: float = 0.1,
@@ -184,7 +184,8 @@ def kvpo_loss(
 
     Args:
         logp_new: ``[G]`` the current model's scores or log-policy (carries the gradient).
-        logp_old: ``[G]`` the rollout (old) policy's; logp_init: ``[G]`` the initial weights' (no gradient).
+        logp_old: ``[G]`` the rollout (old) policy's; logp_init: ``[G]`` the initial weights' (no gradient), or
+            ``None`` with ``kl_coef = 0`` (no KL term: nothing to measure it against).
             All three are normalised on the simplex (``x − logsumexp(x)``), so raw TVE scores do.
         advantages: ``[G]`` (:func:`fuse_advantages`).
         clip_low, clip_high: the ratio is clipped to ``[1 − clip_low, 1 + clip_high]``.
@@ -193,14 +194,18 @@ def kvpo_loss(
 
     Returns:
         ``(loss, stats)``: ``loss = scale·(−mean min(ρA, clip(ρ)A) + β·KL)`` with ``scale`` 1 or 1/2, and detached
-        0-d tensors: ``policy_loss`` and ``kl`` (unscaled), ``loss_scale``, ``protected`` (1.0 when halved),
+        0-d tensors: ``policy_loss`` and ``kl`` (unscaled; no ``kl`` without ``logp_init``), ``loss_scale``, ``protected`` (1.0 when halved),
         ``clip_fraction`` (share of branches whose ρ the clip moves by more than 1e-6, the official measure), ``ratio_mean`` / ``ratio_min`` /
         ``ratio_max``, ``entropy`` (of π_θ), ``pi_max``.
     """
     shape = logp_new.shape
-    if logp_new.ndim != 1 or logp_new.numel() < 1 or any(t.shape != shape for t in (logp_old, logp_init, advantages)):
+    if logp_init is None and kl_coef > 0:
+        raise ValueError(f"kl_coef={kl_coef} weighs the KL to the initial policy: pass logp_init")
+    if logp_new.ndim != 1 or logp_new.numel() < 1 or any(
+            t.shape != shape for t in (logp_old, advantages) + (() if logp_init is None else (logp_init,))):
         raise ValueError(f"logp_new {tuple(shape)}, logp_old {tuple(logp_old.shape)}, logp_init "
-                         f"{tuple(logp_init.shape)} and advantages {tuple(advantages.shape)} must all be [G]")
+                         f"{None if logp_init is None else tuple(logp_init.shape)} and advantages "
+                         f"{tuple(advantages.shape)} must all be [G]")
     if not 0 < clip_low < 1 or clip_high <= 0:
         raise ValueError(f"clip_low must be in (0, 1) and clip_high > 0, got {clip_low}, {clip_high}")
     if kl_coef < 0:
@@ -208,21 +213,23 @@ def kvpo_loss(
     dtype = torch.promote_types(logp_new.dtype, torch.float32)
     log_pi = branch_log_policy(logp_new.to(dtype))
     log_pi_old = branch_log_policy(logp_old.detach().to(dtype))
-    log_pi_init = branch_log_policy(logp_init.detach().to(dtype))
     log_ratio = (log_pi - log_pi_old).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
     adv = advantages.detach().to(dtype)
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     policy_loss = -torch.minimum(ratio * adv, clipped * adv).mean()
     pi = log_pi.exp()
-    kl = (pi * (log_pi - log_pi_init)).sum()
+    kl = None
+    if logp_init is not None:
+        kl = (pi * (log_pi - branch_log_policy(logp_init.detach().to(dtype)))).sum()
     scale = 1.0 if any_branch_beats_reference else 0.5
-    loss = scale * (policy_loss + kl_coef * kl)
+    loss = scale * (policy_loss + kl_coef * kl if kl is not None else policy_loss)
     with torch.no_grad():
         r = ratio.detach()
-        stats = {
-            "policy_loss": policy_loss.detach(),
-            "kl": kl.detach(),
+        stats = {"policy_loss": policy_loss.detach()}
+        if kl is not None:  # measured against the initial policy, when there is one
+            stats["kl"] = kl.detach()
+        stats.update({
             "loss_scale": torch.tensor(scale),
             "protected": torch.tensor(0.0 if any_branch_beats_reference else 1.0),
             "clip_fraction": ((r - r.clamp(1.0 - clip_low, 1.0 + clip_high)).abs() > 1e-6).float().mean(),
@@ -231,7 +238,7 @@ def kvpo_loss(
             "ratio_max": r.max(),
             "entropy": -(pi * log_pi).sum().detach(),
             "pi_max": pi.max().detach(),
-        }
+        })
     return loss, stats
 
 

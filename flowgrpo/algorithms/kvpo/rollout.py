@@ -33,7 +33,7 @@ class BranchedRollout(Rollout):
     per block: at Wan2.1-1.3B size a block's KV cache is gigabytes. Branches stream ``algo.branch_batch`` at a time
     (each holds a KV cache).
 
-    The velocity is the one the update replays with (the training guidance: ``algo.cfg_in_training``), so a
+    The velocity is the one the update replays with (the training guidance, ``Needs.training_guidance``), so a
     branch's replay under its own routing reproduces what it recorded. The draws (routing plans, initial noise and
     re-noise) come from the generators an update context gives at inner epoch 0,
     ``(trainer.seed, ALGO_STREAM, iteration, 0, prompt index, k)``.
@@ -50,16 +50,14 @@ class BranchedRollout(Rollout):
 
     def _stream(self):
         adapter = self.model.adapter
-        if not getattr(adapter, "chunked", False):
+        if not callable(getattr(adapter, "stream_layout", None)):
             raise TypeError(f"{type(adapter).__name__} is not a streaming model (model.family=causal_wan)")
         return adapter
 
     def layout(self) -> dict[str, Any]:
-        """The streaming model's geometry: ``block_frames``, ``sink_frames``, ``window_frames``, ``cache_frames``,
-        ``recache``."""
-        c = self._stream().config
-        return {"block_frames": c.block_frames, "sink_frames": c.sink_frames, "window_frames": c.window_frames,
-                "cache_frames": c.cache_frames, "recache": c.recache}
+        """The streaming model's geometry (``adapter.stream_layout()``): ``block_frames``, ``sink_frames``,
+        ``window_frames``, ``cache_frames``, ``recache``."""
+        return self._stream().stream_layout()
 
     def _generator(self, iteration: int, *keys: int) -> torch.Generator:
         return seeded_generator(self.seed, ALGO_STREAM, iteration, 0, *keys)
@@ -75,7 +73,7 @@ class BranchedRollout(Rollout):
         if layout["window_frames"] is None:
             raise ValueError("algo=kvpo routes the frames outside a block's window: the model needs a window "
                              "(model.stream.window_frames)")
-        training = algo.cfg.cfg_in_training
+        training = algo.needs.training_guidance  # the guidance its update replays with
         velocity_of = self.model.velocity_fn(None, guidance=None if training else {"guidance_scale": 1.0})
         n = len(batch.prompts)
         groups = n // G1
@@ -151,9 +149,9 @@ class BranchedRollout(Rollout):
         batch.chunk_conds = None
         batch.nfe = (groups * K + G * sum(K - f for f in forks)) * S
         fork_rows = torch.tensor([forks[r // G1] for r in range(n)], dtype=torch.long)
-        batch.extras = {"x0": x0, "routing": plans, "fork_block": fork_rows,
-                        "fork_segment": segments[torch.arange(n), fork_rows],
-                        "fork_cond": [at_fork[f][p] for p, f in enumerate(forks)],
-                        "temporal_factor": adapter.temporal_factor}
+        batch.extras.update({"x0": x0, "routing": plans, "fork_block": fork_rows,
+                             "fork_segment": segments[torch.arange(n), fork_rows],
+                             "fork_cond": [at_fork[f][p] for p, f in enumerate(forks)],
+                             "temporal_factor": adapter.temporal_factor})
         return batch
 
