@@ -179,26 +179,49 @@ def table(arms: dict, cols: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict], path: Path, metrics: list[str]) -> None:
+def plot(results: list[dict], path: Path, metrics: list[str], train: list[str] = ()) -> None:
+    """Held-out ``metrics`` over iterations, one panel each (every run thin, each arm's mean over seeds bold), and
+    below them the training keys ``train`` (each arm's mean over seeds at every iteration)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.6), squeeze=False)
-    axes = axes[0]
+    rows = 2 if train else 1
+    cols = max(len(metrics), len(train))
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
     for k, arm in enumerate(sorted({r["arm"] for r in results})):
         color = plt.get_cmap("tab10")(k % 10)  # every arm its colour (10 before they repeat)
-        for ax, metric in zip(axes, metrics):
-            for i, r in enumerate(x for x in results if x["arm"] == arm):
-                its = [e["iteration"] for e in r["evals"]]
-                ax.plot(its, [e[metric] for e in r["evals"]], "o-", color=color, alpha=0.8,
-                        label=arm if i == 0 else None)
+        mine = [x for x in results if x["arm"] == arm]
+        for ax, metric in zip(axes[0], metrics):
+            for r in mine:
+                ax.plot([e["iteration"] for e in r["evals"]], [e[metric] for e in r["evals"]], "-", color=color,
+                        alpha=0.35 if len(mine) > 1 else 0.8, lw=1)
+            mean = _mean_curve([[(e["iteration"], e[metric]) for e in r["evals"]] for r in mine])
+            ax.plot(*zip(*mean), "o-", color=color, lw=2, label=f"{arm} ({len(mine)} seeds)" if len(mine) > 1 else arm)
             ax.set_xlabel("iteration")
             ax.set_title(f"held-out {metric.removeprefix('eval/')}")
-    axes[0].legend()
+        for ax, key in zip(axes[1] if train else (), train):
+            series = [r.get("train", {}).get(key, {}).get("series", []) for r in mine]
+            if any(series):
+                ax.plot(*zip(*_mean_curve(series)), "-", color=color, lw=1.5, label=arm)
+            ax.set_xlabel("iteration")
+            ax.set_title(f"training {key} (mean over seeds)", fontsize=9)
+    axes[0][0].legend(fontsize=8)
+    for ax in list(axes[0][len(metrics):]) + (list(axes[1][len(train):]) if train else []):
+        ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _mean_curve(runs: list[list]) -> list[tuple[int, float]]:
+    """``[(iteration, value), ...]`` per run → the mean over the runs that have a value at each iteration."""
+    values: dict[int, list[float]] = {}
+    for run_ in runs:
+        for it, v in run_:
+            if v is not None:
+                values.setdefault(it, []).append(v)
+    return [(it, statistics.fmean(v)) for it, v in sorted(values.items())]
 
 
 def main(argv=None, *, description: str | None = None, defaults: dict | None = None) -> dict:
@@ -219,6 +242,8 @@ def main(argv=None, *, description: str | None = None, defaults: dict | None = N
     p.add_argument("--set", nargs="*", default=[], help="extra overrides for every run (key=value)")
     p.add_argument("--arm-set", nargs="+", action="append", default=[], metavar=("ARM", "KEY=VALUE"),
                    help="overrides for one arm's runs only (repeatable)")
+    p.add_argument("--plot-train", default="", help="training keys plotted below the held-out panels (of "
+                   "--train-metrics), comma-separated")
     p.add_argument("--train-metrics", default="",
                    help="training log keys reported as first- and last-quarter means, comma-separated")
     args = p.parse_args(argv)
@@ -241,6 +266,10 @@ def main(argv=None, *, description: str | None = None, defaults: dict | None = N
     if unknown:
         raise SystemExit(f"--columns names {unknown}, which --metrics does not report")
     shown = args.plot.split(",") if args.plot else metrics[:2]
+    shown_train = [m for m in args.plot_train.split(",") if m]
+    if sorted(set(shown_train) - set(train_metrics)):
+        raise SystemExit(f"--plot-train names {sorted(set(shown_train) - set(train_metrics))}, which --train-metrics "
+                         "does not report")
     runs = Path(args.runs)
     runs.mkdir(parents=True, exist_ok=True)
     out = Path(args.out)
@@ -259,7 +288,7 @@ def main(argv=None, *, description: str | None = None, defaults: dict | None = N
                                        for a in arms}}
             out.with_suffix(".json").write_text(json.dumps(report, indent=2))
             out.with_suffix(".md").write_text(table(report["arms"], cols) + "\n")
-            plot(results, out.with_suffix(".png"), shown)
+            plot(results, out.with_suffix(".png"), shown, shown_train)
     print(table(report["arms"], cols))
     return report
 

@@ -353,7 +353,7 @@ def test_compare_presets_reads_finished_runs_and_reports_mean_std_and_curves(tmp
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     report = compare.main(["--arms", "a,b", "--seeds", "0,1", "--runs", str(runs), "--out", str(tmp_path / "cmp"),
                            "--metrics", "eval/strict", "--columns", "eval/strict=strict",
-                           "--train-metrics", "reward/mean"])
+                           "--train-metrics", "reward/mean", "--plot-train", "reward/mean"])
     a = report["arms"]["a"]
     # a training value at every iteration, mean ± std over the seeds, and each run's own series
     assert a["reward/mean"]["curve"] == [{"iteration": 1, "mean": 0.6, "std": round(math.sqrt(0.5), 4), "n": 2},
@@ -369,6 +369,9 @@ def test_compare_presets_reads_finished_runs_and_reports_mean_std_and_curves(tmp
     with pytest.raises(SystemExit, match="eval/partial"):
         compare.main(["--arms", "a", "--seeds", "0", "--runs", str(runs), "--out", str(tmp_path / "x"),
                       "--metrics", "eval/strict", "--columns", "eval/partial=partial"])
+    with pytest.raises(SystemExit, match="plot-train.*reward/std"):
+        compare.main(["--arms", "a", "--seeds", "0", "--runs", str(runs), "--out", str(tmp_path / "x"),
+                      "--metrics", "eval/strict", "--train-metrics", "reward/mean", "--plot-train", "reward/std"])
 
 
 def test_compare_presets_arm_without_a_preset_runs_the_defaults_and_the_report_names_commands_and_commit(tmp_path):
