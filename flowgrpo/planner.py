@@ -14,9 +14,13 @@ backward, AdamW's step, and :func:`flowgrpo.evaluation.generate` — while
 
 How this models the GPU (what a plan is and is not):
 
-* Attention: on CPU, ``scaled_dot_product_attention`` without a mask takes the fused flash kernel
+* Attention: on CPU, ``scaled_dot_product_attention`` takes the fused flash kernel
   (``_scaled_dot_product_flash_attention_for_cpu``), which keeps only the output and the log-sum-exp for backward,
-  as FlashAttention on the GPU does; the planner counts its FLOPs with PyTorch's own SDPA formulas.
+  as FlashAttention on the GPU does; the planner counts its FLOPs with PyTorch's own SDPA formulas. Under a mask (a
+  streaming model's full-sequence forward, a segmented cross-attention) it keeps the same plus the mask converted to
+  an additive bias of the mask's shape, what the GPU's memory-efficient kernel is given (no score matrix either);
+  a streaming model's CPU-only shortcut for sparse frame masks (gathered key frames) is switched off
+  (:func:`~flowgrpo.models.causal_wan.accelerator_attention`).
 * Mixed precision: ``torch.autocast("cpu", bfloat16)`` stands for accelerate's CUDA autocast (the same op lists for
   matmuls, convolutions and attention).
 * Counted: tensors. Not counted: the CUDA context and cuBLAS/NCCL workspaces (about 0.5–1 GiB) and the caching
@@ -753,6 +757,7 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
     from .algorithms import Batch, build_algorithm
     from .finetune import EMA, frozen_reference, prepare_trainable
     from .models import FlowAdapter, StreamAdapter
+    from .models.causal_wan import accelerator_attention
     from .rollout import SamplingModel
 
     t0 = time.time()
@@ -770,6 +775,7 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
     tracker.small_real = 65536 if fake else None
     stack = contextlib.ExitStack()
     mode = stack.enter_context(fake_mode()) if fake else None
+    stack.enter_context(accelerator_attention())  # a streaming model's masked attention as on the GPU
     notes: list[str] = []
     try:
         built = (build or build_pipeline)(cfg.model)
@@ -860,13 +866,14 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
                 with algorithm.sampling_policy(ctx):  # as Trainer.rollout: the weights the algorithm samples with
                     batch = engine(batch, 0)
                 with torch.no_grad():  # the trainer's score phase: decode every rollout, keep the pixels
-                    batch.images = adapter.decode(adapter.join_chunks(batch.final)).float().clamp(0, 1)
+                    batch.images = adapter.decode(adapter.join_chunks(batch.final)).float().clamp_(0, 1)
                     frames = batch.images.shape[0] * (batch.images.shape[1] if batch.images.ndim == 5 else 1)
                     for name, model, per_call in rewards:
                         calls = math.ceil(min(frames, n_local * 8 if batch.images.ndim == 5 else frames) / per_call)
                         with flop_counter() as fc:
                             _reward_forward(model, min(per_call, frames))
                         ph.extra_flops += fc.get_total_flops() * max(0, calls - 1)
+                    batch.images = None  # scored: Trainer.score moves the pixels to the host for the gallery
                 _advantage_stand_in(algorithm, batch)
             flops["rollout"] = results[-1].flops
         if "update" in phases:

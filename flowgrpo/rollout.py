@@ -2,9 +2,9 @@
 
 A :class:`Rollout` is called as ``rollout(batch, iteration)``: it fills ``batch.latents``, ``batch.log_probs``,
 ``batch.final`` (each row's clean sample, or its clean chunks) and ``batch.nfe`` (and, where its options or its kind
-say so, ``batch.means``, ``batch.chunk_conds`` and ``batch.extras``) with no gradient, and returns the batch. The
-trainer calls it inside the algorithm's sampling policy (:meth:`~flowgrpo.algorithms.Algorithm.sampling_policy`), so
-a rollout never chooses its weights.
+say so, ``batch.means``, ``batch.chunk_conds`` with ``batch.chunk_rows``, and ``batch.extras``) with no gradient, and
+returns the batch. The trainer calls it inside the algorithm's sampling policy
+(:meth:`~flowgrpo.algorithms.Algorithm.sampling_policy`), so a rollout never chooses its weights.
 
 Which rollout runs is the algorithm's choice (:meth:`~flowgrpo.algorithms.Algorithm.make_rollout`):
 
@@ -203,29 +203,46 @@ class PlanRollout(Rollout):
 
     def _sample_chunked(self, batch: "Batch", noise: torch.Tensor, sde_gens: list[torch.Generator]) -> "Batch":
         """A streaming model's rollout (``samplers.chunked_rollout``): block after block, each written into the
-        model's cache by ``adapter.commit``; every block's conditioning is kept (``batch.chunk_conds``) so the update
-        rescores a transition under the context it was sampled with."""
+        model's cache by ``adapter.commit``. The update rescores a trained transition under the context it was
+        sampled with, so a block's conditioning (text and KV cache) is kept for the rows that train a step of that
+        block, and only for them (``batch.chunk_conds[c]`` over the rows ``batch.chunk_rows[c]`` names): every
+        block's cache of every stream would cost a cache per block."""
         plan = batch.plan
         n = len(batch.prompts)
         chunk = self.batch_size
+        trains = plan.train_mask.any(-1)  # [n, C]: does row r train a step of block c
         latents, log_probs, conds = [], [], []
         nfe = 0
         for start in range(0, n, chunk):
             if start:
                 self._next_chunk()
             rows = torch.arange(start, min(start + chunk, n))
+
+            def keep(c, cond, rows=rows):
+                kept = trains[rows, c].nonzero().squeeze(1)
+                return None if kept.numel() == 0 else (rows[kept], cond if kept.numel() == len(rows) else cond[kept])
+
             traj = chunked_rollout(self.model.velocity_fn(None), self.model.adapter.commit, noise[rows],
                                    plan.sigmas, plan.sde_mask[rows], cond=batch.cond[rows], kernel=plan.kernel,
                                    noise_level=plan.noise_level, solver=plan.solver,
-                                   generator=[sde_gens[r] for r in rows.tolist()])
+                                   generator=[sde_gens[r] for r in rows.tolist()], keep_cond=keep)
             latents.append(traj.latents)
             log_probs.append(traj.log_probs)
             conds.append(traj.conds)
             nfe += traj.nfe * len(rows)
         batch.latents, batch.log_probs, batch.nfe = torch.cat(latents), torch.cat(log_probs), nfe
         batch.final = batch.latents[:, :, -1]
-        batch.chunk_conds = [conds[0][c] if len(conds) == 1 else type(conds[0][c]).cat([part[c] for part in conds])
-                             for c in range(plan.num_chunks)]
+        batch.chunk_conds, batch.chunk_rows = [], []
+        for c in range(plan.num_chunks):
+            parts = [part[c] for part in conds if part[c] is not None]
+            index = torch.full((n,), -1, dtype=torch.long)
+            if not parts:
+                batch.chunk_conds.append(None)
+            else:
+                kept = torch.cat([r for r, _ in parts])
+                index[kept] = torch.arange(len(kept))
+                batch.chunk_conds.append(parts[0][1] if len(parts) == 1 else type(parts[0][1]).cat([k for _, k in parts]))
+            batch.chunk_rows.append(index)
         return batch
 
 
@@ -269,7 +286,14 @@ class StoredTransitions:
         v = None
         for c in self.chunks.unique().tolist():
             sel = (self.chunks == c).nonzero().squeeze(1)
-            part = velocity(x[sel], self.sigma[sel], batch.chunk_conds[c][self.rows[sel]])
+            rows = self.rows[sel]
+            if batch.chunk_rows is not None:  # the rollout kept block c's conditioning for some rows only
+                rows = batch.chunk_rows[c][rows]
+                if bool((rows < 0).any()):
+                    raise ValueError(f"block {c}'s conditioning was not kept for rows "
+                                     f"{self.rows[sel][rows < 0].tolist()}: the rollout keeps it for the rows that "
+                                     "train a step of the block (plan.train_mask)")
+            part = velocity(x[sel], self.sigma[sel], batch.chunk_conds[c][rows])
             if v is None:
                 v = part.new_empty(x.shape)
             v[sel] = part

@@ -327,11 +327,14 @@ class Trainer(RunState, HeldOut, Guards):
         # finite latents can still decode to NaN or inf (weights that blew the latents up without making them
         # infinite): caught here, before the reward reads them (clamping would hide an inf)
         self._check_finite(decoded, self.iteration, "the decoded samples")
-        batch.images = decoded.clamp(0, 1)
+        batch.images = decoded.clamp_(0, 1)  # in place: long videos are held once (the decode returns a new tensor)
         out = self.reward(batch.images, batch.prompts, batch.metadata)
         batch.rewards = out.scores.to(self.device)
         batch.components = {k: v.to(self.device) for k, v in out.components.items()}
         batch.degenerate = degenerate_flags(batch.images).to(self.device)
+        # scored: from here on only the gallery reads the pixels, after the update, so they wait on the host (the
+        # decoded videos of a long-stream preset would otherwise hold tens of GiB of the GPU through the update)
+        batch.images = batch.images.cpu()
         return batch
 
     # ------------------------------------------------------------------ 4. advantage

@@ -159,7 +159,8 @@ class ChunkedTrajectory:
         sigmas: ``[T+1]`` the schedule each chunk was integrated on.
         conds: ``C`` conditionings: ``conds[c]`` is what chunk ``c`` was denoised under (``conds[0]`` the initial one,
             then each one written by ``commit_fn`` after the chunk before). With these the update rescores any
-            transition ``(b, c, i)`` exactly: ``velocity_fn(latents[b, c, i], sigmas[i], conds[c][b])``.
+            transition ``(b, c, i)`` exactly: ``velocity_fn(latents[b, c, i], sigmas[i], conds[c][b])``. What
+            ``keep_cond`` kept of each (``None`` where nothing, every entry with ``keep_cond=False``).
         nfe: velocity calls per sample (``C · T``).
     """
 
@@ -189,6 +190,7 @@ def chunked_rollout(
     noise_level: float = 0.7,
     solver: str = "euler",
     generator: torch.Generator | list[torch.Generator] | None = None,
+    keep_cond: bool | Callable[[int, Any], Any] = True,
 ) -> ChunkedTrajectory:
     """Stateful generation chunk by chunk (a streaming video model with a KV cache), no grad.
 
@@ -206,6 +208,10 @@ def chunked_rollout(
         cond: the conditioning of the first chunk (indexable by rows, like the adapters' ``PromptEmbeds``).
         kernel, noise_level, solver, generator: as :func:`rollout`; per-sample generators continue from chunk to
             chunk.
+        keep_cond: what the trajectory keeps of chunk ``c``'s conditioning, ``keep_cond(c, cond)`` (``None``:
+            nothing); ``True`` all of it, ``False`` nothing. A streaming model's conditioning holds its KV cache, so
+            keeping every chunk's costs a cache per chunk: a sampler that needs only the samples keeps none, an
+            update that rescores some transitions keeps the rows and chunks it will read.
     """
     batch, chunks = noise.shape[:2]
     sigmas = torch.as_tensor(sigmas, dtype=torch.float32).cpu()
@@ -220,7 +226,7 @@ def chunked_rollout(
                          f"got {tuple(mask.shape)}")
     latents, log_probs, conds = [], [], []
     for c in range(chunks):
-        conds.append(cond)
+        conds.append(cond if keep_cond is True else None if keep_cond is False else keep_cond(c, cond))
         traj = rollout(lambda x, sigma, cond=cond: velocity_fn(x, sigma, cond), noise[:, c], sigmas, mask[:, c],
                        kernel=kernel, noise_level=noise_level, solver=solver, generator=generator)
         latents.append(traj.latents)

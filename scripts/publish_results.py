@@ -533,7 +533,8 @@ def iteration_cost_table() -> str:
                    "outside transformer + reward (our code alone)", "bf16 decoder: s / ratio / outside"], rows)
 
 
-PLANS = ("flow_grpo_sd35m_geneval", "flow_grpo_wan21_1_3b", "flow_grpo_wan22_5b")
+PLANS = ("flow_grpo_sd35m_geneval", "flow_grpo_sd35l_geneval", "flow_grpo_wan21_1_3b", "flow_grpo_wan22_5b",
+         "stream_grpo_self_forcing")
 
 
 def run_plans_table() -> str:

@@ -132,6 +132,32 @@ def test_flops_of_one_wan_block_equal_the_analytic_count():
         assert fc.get_total_flops() == 3 * linear + attention * 7 // 2
 
 
+def test_masked_attention_is_planned_as_the_gpu_kernel_holds_it():
+    """A masked attention (a streaming model's full-sequence forward) is planned as the GPU's memory-efficient kernel
+    holds it: the output, its log-sum-exp and the mask as an additive bias of the mask's shape, never the
+    ``[B, H, S, S]`` scores the math kernel materialises (48 times the bias here). And a plan runs a streaming
+    model's frame-masked attention through the masked kernel, not the CPU-only gathered-keys shortcut."""
+    from flowgrpo.models.causal_wan import _Call, _gathers_frames, accelerator_attention, stream_mask
+
+    B, H, S, D = 2, 12, 4096, 128
+    with fake_mode():
+        q = torch.empty(B, H, S, D, dtype=torch.bfloat16, requires_grad=True)
+        mask = torch.ones(1, 1, S, S, dtype=torch.bool)
+        tracker = MemoryTracker()
+        with tracker:
+            out = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+            out.sum().backward()
+    kept = B * H * S * D * 2 + B * H * S * 4 + S * S * 2  # output (bf16), log-sum-exp (fp32), bias (bf16)
+    grads = 3 * B * H * S * D * 2
+    assert kept <= tracker.peak <= kept + grads + 4096
+    assert tracker.peak < B * H * S * S * 4 / 10
+    frames = stream_mask(24, 3, sink_frames=3, window_frames=3)  # each frame sees at most 6 of 24 frames
+    query = torch.empty(1, 24 * 4, 2, 8)
+    assert _gathers_frames(_Call(torch.arange(24), mask=frames), query)  # the CPU's shortcut ...
+    with accelerator_attention():
+        assert not _gathers_frames(_Call(torch.arange(24), mask=frames), query)  # ... not in a plan
+
+
 # Published parameter counts of the architectures shipped in assets/configs (model cards and papers; billions).
 PUBLISHED = {
     ("stabilityai--stable-diffusion-3.5-medium", "transformer"): 2.47,

@@ -95,6 +95,51 @@ def test_the_adapter_rollout_is_the_streaming_pipeline():
     assert torch.all(traj_b.log_probs[:, :, -1] == 0) and torch.all(traj_b.log_probs[:, :, :-1] != 0)
 
 
+def test_held_out_streams_keep_no_block_context():
+    """Held-out streams need only their samples: ``StreamAdapter.generate`` keeps no block's conditioning (its KV
+    cache) past the block after it, none is alive while the videos decode, and the samples are those of the rollout
+    that keeps every block's."""
+    import gc
+    import weakref
+
+    from flowgrpo.models import StreamAdapter, StreamingWanPipeline
+    from flowgrpo.models.stream_adapter import stream_sde_mask
+    from samplers import chunked_rollout
+
+    adapter = StreamAdapter(StreamingWanPipeline.from_pretrained(str(ASSET)))
+    c = adapter.config
+    meta = {"num_frames": 13, "segments": [{"start": 0, "prompt": "a red circle moving left"}]}
+    size = {"height": 64, "width": 64, "num_frames": 13}
+    model_kw = {"guidance": {"guidance_scale": c.guidance_scale}, "size": size, "negative_prompt": "",
+                "max_sequence_length": c.max_sequence_length}
+    written, alive = [], []
+    commit, decode = adapter.commit, adapter.decode
+
+    def tracked_commit(x0, cond):
+        nxt = commit(x0, cond)
+        written.append(weakref.ref(nxt.cache.keys[0]))
+        return nxt
+
+    def tracked_decode(latents):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in written))
+        return decode(latents)
+
+    adapter.commit, adapter.decode = tracked_commit, tracked_decode
+    sigmas = adapter.sigmas(c.num_steps)
+    video = adapter.generate(["s"], [meta], [torch.Generator().manual_seed(5)], sigmas=sigmas, model_kw=model_kw)
+    assert len(written) == 3 and alive == [0]  # three blocks written after; not one cache left at the decode
+    gen = torch.Generator().manual_seed(5)
+    cond = adapter.encode_prompts(["s"], "", guidance_scale=c.guidance_scale,
+                                  max_sequence_length=c.max_sequence_length, metadata=[meta], num_frames=13)
+    with torch.no_grad():
+        traj = chunked_rollout(lambda x, s, k: adapter.velocity(x, s, k, guidance_scale=c.guidance_scale), commit,
+                               adapter.prepare_noise(1, generator=[gen], **size), sigmas,
+                               stream_sde_mask(c.num_steps), cond=cond, kernel="cps", noise_level=1.0, generator=[gen])
+        expected = decode(adapter.join_chunks(traj.final)).float().clamp(0, 1)
+    assert len(traj.conds) == 4 and torch.equal(video, expected)
+
+
 def test_stream_grpo_rescores_every_trained_transition_exactly(tmp_path):
     """With unchanged weights the update's log π of every trained re-noise transition, rescored under the cache its
     block was sampled with, is the rollout's (CFG and KL term included): to float rounding, as a micro-batch's rows
@@ -117,6 +162,10 @@ def test_stream_grpo_rescores_every_trained_transition_exactly(tmp_path):
     plan = batch.plan
     assert plan.sde_mask.ndim == 3 and plan.num_chunks == 13 and plan.sigmas.shape[0] == 11
     assert batch.latents.shape[:3] == (4, 13, 11) and len(batch.chunk_conds) == 13
+    # a block's context (its KV cache) is kept for the rows that train a step of it, and only for them
+    kept = torch.stack([r >= 0 for r in batch.chunk_rows], 1)
+    assert torch.equal(kept, plan.train_mask.any(-1)) and not bool(kept.all())
+    assert [None if c is None else len(c) for c in batch.chunk_conds] == [int(k.sum()) or None for k in kept.T]
     flat = plan.train_mask.flatten(1)
     assert flat.sum(1).tolist() == [11] * 4  # 10 % of 13 × 9 re-noise transitions
     assert torch.all(batch.log_probs[~plan.sde_mask] == 0)

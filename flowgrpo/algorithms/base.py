@@ -183,6 +183,8 @@ class Batch:
                                                     # declares ``Needs.record_means`` (GRPO-Guard), else None
     chunk_conds: list[Any] | None = None            # with chunks: chunk c's conditioning (text + the state written
                                                     # by the chunks before it), per row: what rescoring needs
+    chunk_rows: list[torch.Tensor] | None = None    # with chunks, [n] each: the row of chunk_conds[c] that holds
+                                                    # batch row r, -1 where not kept (None: every row, in order)
     final: torch.Tensor | None = None               # [n, ...] each row's clean sample ([n, C, ...] its chunks), a view
                                                     # of latents: adapter.decode(adapter.join_chunks(final))
     images: torch.Tensor | None = None

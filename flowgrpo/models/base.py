@@ -505,4 +505,4 @@ class FlowAdapter(TransformerAccess):
                 return self.velocity(x, sigma, cond, **guidance)
 
         trajectory = rollout(velocity, noise, sigmas, torch.zeros(sigmas.shape[0] - 1, dtype=torch.bool))
-        return self.decode(trajectory.final).float().clamp(0, 1)
+        return self.decode(trajectory.final).float().clamp_(0, 1)

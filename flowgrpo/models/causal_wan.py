@@ -249,11 +249,27 @@ def _frame_mask(call: _Call, device: torch.device) -> torch.Tensor:
     return mask[None] if mask.ndim == 2 else mask
 
 
+_ACCELERATOR_KERNELS = [0]
+
+
+@contextmanager
+def accelerator_attention():
+    """Within it, full-mode self-attention takes the accelerator's path on the CPU too (the masked kernel, never
+    :func:`_frame_attention`'s gathered keys): what a plan on CPU tensors of a GPU run must execute
+    (``flowgrpo.planner``)."""
+    _ACCELERATOR_KERNELS[0] += 1
+    try:
+        yield
+    finally:
+        _ACCELERATOR_KERNELS[0] -= 1
+
+
 def _gathers_frames(call: _Call, query: torch.Tensor) -> bool:
     """Whether a full-mode self-attention runs as :func:`_frame_attention`: on the CPU, where SDPA under a mask
     computes every query-key pair, when each query frame sees at most a third of the frames (a streaming mask:
-    sink + window). On an accelerator the masked kernel stays (gathering copies every key ``K`` times)."""
-    if query.device.type != "cpu":
+    sink + window). On an accelerator (or in :func:`accelerator_attention`) the masked kernel stays (gathering
+    copies every key ``K`` times)."""
+    if query.device.type != "cpu" or _ACCELERATOR_KERNELS[0]:
         return False
     if call.frame_keys is None:
         mask = _frame_mask(call, query.device)

@@ -485,9 +485,13 @@ class StreamAdapter(TransformerAccess):
             with autocast():
                 return self.velocity(x, sigma, c, guidance_scale=guidance["guidance_scale"])
 
-        traj = chunked_rollout(velocity, self.commit, noise, sigmas, stream_sde_mask(sigmas.shape[0] - 1),
-                               cond=cond, kernel="cps", noise_level=1.0, generator=generators)
+        # only the samples are needed: no block's conditioning (its KV cache) is kept past the block after it, and
+        # the recorded states go before the decode
+        final = chunked_rollout(velocity, self.commit, noise, sigmas, stream_sde_mask(sigmas.shape[0] - 1),
+                                cond=cond, kernel="cps", noise_level=1.0, generator=generators,
+                                keep_cond=False).final.clone()
+        del cond
         if not decode:
-            return traj.final
-        return self.decode(self.join_chunks(traj.final)).float().clamp(0, 1)
+            return final
+        return self.decode(self.join_chunks(final)).float().clamp_(0, 1)
 

@@ -155,8 +155,15 @@ class WanAdapter(FlowAdapter):
         if latents.device.type == "cpu":
             budget = min(budget, self.cpu_decode_pixels_per_call)
         chunk = max(1, budget // pixels_per_clip)
-        videos = []
-        for part in latents.split(chunk):
+        out = None  # written part by part: the videos are held once, not once in parts and again joined
+        for start in range(0, latents.shape[0], chunk):
+            part = latents[start:start + chunk]
             video = vae.decode(part / inv_std + mean, return_dict=False)[0]
-            videos.append(self.pipe.video_processor.postprocess_video(video, output_type="pt"))
-        return videos[0] if len(videos) == 1 else torch.cat(videos)
+            video = self.pipe.video_processor.postprocess_video(video, output_type="pt")
+            if chunk >= latents.shape[0]:
+                return video
+            if out is None:
+                out = video.new_empty((latents.shape[0], *video.shape[1:]))
+            out[start:start + chunk] = video
+            del video
+        return out
