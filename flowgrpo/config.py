@@ -79,7 +79,8 @@ class LoraConfig:
     alpha: float = _knob(64.0, gt=0)  # scale alpha/r on the LoRA branch
     dropout: float = _knob(0.0, ge=0, le=1)  # LoRA dropout (0 keeps rollout and training forwards identical)
     init_weights: str = _knob("gaussian", choices=("gaussian", "default", "pissa", "olora"))  # peft init_lora_weights
-    target_modules: List[str] = field(default_factory=list)  # module-name suffixes to wrap, per model family
+    # module-name suffixes to wrap, per model family; all-linear: every linear layer of the transformer blocks
+    target_modules: List[str] = field(default_factory=list)
 
 
 @dataclass

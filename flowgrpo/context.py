@@ -83,6 +83,7 @@ class TrainerContext(UpdateContext):
     def routed(self, route):
         return self._trainer.adapter.routed(route)
 
-    def teacher_forced_velocity(self, clean, noisy, sigma, cond):
+    def teacher_forced_velocity(self, clean, noisy, sigma, cond, routes=None):
         with self._trainer.acc.autocast():
-            return self._trainer.adapter.teacher_forced_velocity(clean, noisy, sigma, cond, transformer=self._module)
+            return self._trainer.adapter.teacher_forced_velocity(clean, noisy, sigma, cond, routes=routes,
+                                                                 transformer=self._module)

@@ -9,8 +9,31 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["prepare_trainable", "reference_policy", "EMA", "gathers_state", "trainable_state", "load_trainable_state",
-           "optimizer_state", "load_optimizer_state"]
+__all__ = ["prepare_trainable", "lora_targets", "reference_policy", "EMA", "gathers_state", "trainable_state",
+           "load_trainable_state", "optimizer_state", "load_optimizer_state", "ALL_LINEAR"]
+
+#: ``model.lora.target_modules`` entry meaning every linear layer of the transformer's blocks (:func:`lora_targets`)
+ALL_LINEAR = "all-linear"
+
+
+def lora_targets(transformer: torch.nn.Module, target_modules) -> list[str]:
+    """``model.lora.target_modules`` as peft's ``target_modules``: module-name suffixes as given, and
+    :data:`ALL_LINEAR` (``all-linear``) expanded to the full name of every ``nn.Linear`` inside the transformer's
+    blocks, the ``nn.ModuleList`` children of the transformer (Wan's ``blocks``, SD3's ``transformer_blocks``, FLUX's
+    two lists): every attention projection and feed-forward layer, and nothing of the embedders, the output norm or
+    the output projection. That is the LoRA of LongLive and KVPO (arXiv 2605.14278; github.com/Richard-Zhang-AI/KVPO
+    wraps every linear of each ``CausalWanAttentionBlock``, rank and alpha 256); peft's own ``all-linear`` would also
+    take the time and text embedders."""
+    targets = list(target_modules)
+    if ALL_LINEAR not in targets:
+        return targets
+    blocks = [(name, child) for name, child in transformer.named_children() if isinstance(child, torch.nn.ModuleList)]
+    linear = [f"{name}.{sub}" for name, child in blocks for sub, m in child.named_modules()
+              if isinstance(m, torch.nn.Linear)]
+    if not linear:
+        raise ValueError(f"model.lora.target_modules names {ALL_LINEAR!r}, but {type(transformer).__name__} has no "
+                         "linear layer inside a list of blocks (an nn.ModuleList child): list the module names instead")
+    return [t for t in targets if t != ALL_LINEAR] + linear
 
 
 def prepare_trainable(transformer: torch.nn.Module, model_cfg) -> list[torch.nn.Parameter]:
@@ -31,7 +54,7 @@ def prepare_trainable(transformer: torch.nn.Module, model_cfg) -> list[torch.nn.
                 lora_alpha=lora.alpha,
                 lora_dropout=lora.dropout,
                 init_lora_weights=True if lora.init_weights == "default" else lora.init_weights,
-                target_modules=list(lora.target_modules),
+                target_modules=lora_targets(transformer, lora.target_modules),
             )
         )
     else:

@@ -106,7 +106,10 @@ Also: ``consistency`` (mean of ``identity``, ``teleport``, ``smoothness``); per 
 segment k; NaN for segment 0), NaN where the stream has fewer segments; and measurements that are not scores:
 ``recovery_frames`` (mean over switches of the latency of the slowest object, the segment's length when one never
 recovered; NaN without a switch), ``max_jump_px`` (largest step, px/frame) and ``jerk_px`` (mean second-difference
-norm over the objects).
+norm over the objects). A stream whose metadata names a ``window`` ``[start, end)`` (frames) also gets
+``window/direction``, ``window/speed`` and ``window/adherence``: those rules on the window's frames alone, in the
+segment of its last frame, without a grace (a part of a stream: KVPO's routed frames); streams of the batch without
+one get NaN there, and a batch where none names one has no such component.
 
 ``scores`` is the weighted mean of the eight scored components (``weights``, all 1 by default: prompt adherence
 counts three times -- ``adherence``, ``direction``, ``speed`` -- temporal consistency three times, switching and
@@ -161,6 +164,7 @@ __all__ = [
     "VERSION",
     "NAMES",
     "SEGMENT_COMPONENTS",
+    "WINDOW_NAMES",
     "STREAM_SEGMENT_TAGS",
     "STREAM_TAGS",
     "LongVideoReward",
@@ -185,6 +189,8 @@ MEASUREMENTS: tuple[str, ...] = ("recovery_frames", "max_jump_px", "jerk_px")
 #: every component name, in the order of RewardOutput.components
 NAMES: tuple[str, ...] = (*COMPONENTS, "consistency", "segments_strict",
                           *(f"segment{k}/{n}" for k in range(SEGMENT_COMPONENTS) for n in PER_SEGMENT), *MEASUREMENTS)
+#: the components of a stream's window (its metadata's ``window``), after :data:`NAMES` when some stream names one
+WINDOW_NAMES: tuple[str, ...] = ("window/adherence", "window/direction", "window/speed")
 
 
 # ------------------------------------------------------------------------------------------------- metadata
@@ -277,6 +283,13 @@ def validate_stream_metadata(metadata: object, classes: Sequence[str] | None = N
         if require_switches and k > 0 and not asks_differ(segment_asks(segments[k - 1]), segment_asks(segment)):
             raise ValueError(f"{here}: asks the same motion as {where}.segments[{k - 1}] "
                              f"({segment_asks(segment)}); consecutive segments must ask different motions")
+    window = metadata.get("window")
+    if window is not None:
+        if (not isinstance(window, Sequence) or isinstance(window, str) or len(window) != 2
+                or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in window)
+                or not 0 <= window[0] <= window[1] - 2 or window[1] > T):
+            raise ValueError(f"{where}.window: expected [start, end] frames with 0 <= start, end - start >= 2 and "
+                             f"end <= num_frames ({T}), got {window!r}")
     return dict(metadata)
 
 
@@ -633,6 +646,8 @@ class LongVideoReward:
         comps |= {name: math.nan for name in MEASUREMENTS}
         comps |= {f"segment{k}/{n}": 0.0 if k < len(metadata["segments"]) and (k or n != "recovery") else math.nan
                   for k in range(SEGMENT_COMPONENTS) for n in PER_SEGMENT}
+        if metadata.get("window") is not None:
+            comps |= {name: 0.0 for name in WINDOW_NAMES}
         return StreamVerdict(comps, reason=f"degenerate stream ({why} frames): no content, scored 0")
 
     def track(self, detections: Sequence[Mapping[str, Sequence[Detection]]], frames: np.ndarray,
@@ -763,6 +778,8 @@ class LongVideoReward:
                     reasons.append(f"segment {k} ({segments[k]['prompt']!r}): {said}")
         comps["adherence"] = float(np.mean(adherence))
         comps["segments_strict"] = float(np.mean(strict))
+        if metadata.get("window") is not None:
+            comps |= self._judge_window(metadata, bounds, asks, detections, tracks, velocity, (H, W))
 
         # temporal consistency: identity per object; teleport and smoothness as fractions of every object's steps
         # and frames seen (pooled: an object seen longer weighs more; one never seen is identity's to judge)
@@ -855,6 +872,30 @@ class LongVideoReward:
         comps["anti_freeze"] = float(np.mean(moving)) if moving else 1.0
         return StreamVerdict(comps, seg_verdicts, velocities, latencies, list(tracks.positions), "; ".join(reasons))
 
+    def _judge_window(self, metadata: Mapping, bounds, asks, detections, tracks: Tracks, velocity,
+                      frame_size: tuple[int, int]) -> dict[str, float]:
+        """``window/direction``, ``window/speed`` and ``window/adherence`` of a stream whose metadata names a
+        ``window`` ``[start, end)``: the rules of ``direction``, ``speed`` and ``adherence`` on the window's frames in
+        the segment of its last frame (from that segment's start at the earliest), without a grace: what a part of
+        the stream shows, e.g. the frames a KVPO branch routed (arXiv 2605.14278 scores its fork's chunk)."""
+        start, end = (int(t) for t in metadata["window"])
+        k = max(i for i, (s, _) in enumerate(bounds) if s < end)
+        lo = max(start, bounds[k][0])
+        d_k, s_k, worded = [], [], []
+        for j, (motion, word) in enumerate(asks[k]):
+            v = velocity(j, lo, end)
+            d_k.append(0.0 if v is None else self._direction_credit(v, motion))
+            s_k.append(0.0 if v is None else self._speed_credit(v, motion, word))
+            if word is not None:
+                worded.append(s_k[-1])
+        verdict = self.geneval.judge_clip(detections[lo:end], metadata["segments"][k], frame_size)
+        kept = (tracks.right[:, lo:end] | tracks.hidden[:, lo:end]).sum(1) / (end - lo)
+        shown = [verdict.credits["object"], verdict.credits.get("color", 1.0),
+                 float(np.minimum(1.0, kept / self.geneval.track_fraction).mean()), *([np.mean(worded)] if worded else [])]
+        direction = float(np.mean(d_k))
+        return {"window/adherence": direction * float(np.mean(shown)), "window/direction": direction,
+                "window/speed": float(np.mean(s_k))}
+
     # ------------------------------------------------------------------------------------------------ reward
 
     def combine(self, components: Mapping[str, float]) -> float:
@@ -869,7 +910,8 @@ class LongVideoReward:
         verdicts = self.judge(videos, metadata)
         if prompts is not None and len(prompts) != len(verdicts):
             raise ValueError(f"got {len(verdicts)} videos but {len(prompts)} prompts")
-        components = {name: torch.tensor([v.components[name] for v in verdicts], dtype=torch.float32)
-                      for name in NAMES}
+        names = NAMES + (WINDOW_NAMES if any("window/direction" in v.components for v in verdicts) else ())
+        components = {name: torch.tensor([v.components.get(name, math.nan) for v in verdicts], dtype=torch.float32)
+                      for name in names}
         scores = torch.tensor([self.combine(v.components) for v in verdicts], dtype=torch.float32)
         return RewardOutput(scores=scores, components=components)

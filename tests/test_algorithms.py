@@ -477,7 +477,8 @@ def test_every_algorithm_runs_with_the_default_sampler_and_its_schema_defaults(h
     # the default sampler, or the one the algorithm was published with (dance_grpo; the streaming sampler); an
     # explicit choice wins
     assert cfg.sampler.name == {"dance_grpo": "dance", "pref_grpo": "dance", "stream_grpo": "stream",
-                                "kvpo": "stream", "stream_awm": "stream"}.get(option, hydra_compose([]).sampler.name)
+                                "kvpo": "stream", "kvpo_awm": "stream", "stream_awm": "stream"}.get(
+                                    option, hydra_compose([]).sampler.name)
     assert hydra_compose([*model, f"algo={option}", "sampler=cps"]).sampler.name == "cps"
     if option == "flow_opd":  # distils earlier runs: without them it stops before anything loads, naming the key
         with pytest.raises(Exception, match="algo.teachers is empty"):

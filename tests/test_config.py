@@ -49,6 +49,7 @@ PARTNERS: dict[tuple[str, str], list[str]] = {
     ("sampler", "stream"): ["model=causal_wan_shapes", "algo=stream_grpo"],
     ("algo", "stream_grpo"): ["model=causal_wan_shapes"],
     ("algo", "kvpo"): ["model=causal_wan_shapes"],
+    ("algo", "kvpo_awm"): ["model=causal_wan_shapes"],
     ("algo", "stream_awm"): ["model=causal_wan_shapes"],
     ("algo", "flow_opd"): ["+algo.teachers.t=conf"],  # it distils earlier runs (any existing path validates)
     ("experiment", "flow_opd_shapes"): ["algo.teachers.geneval=conf", "algo.teachers.jpeg=conf"],

@@ -174,6 +174,28 @@ def test_segment_starts_and_fork_range_are_respected_and_errors_name_the_argumen
         plan_routing(40, 2, 2, 8, cache_frames=9)
 
 
+def test_after_switch_forks_only_where_the_window_still_shows_the_old_segment():
+    """``fork="after_switch"`` draws among the eligible forks ``s <= f < s + w - b`` after a switch ``s`` (the fork
+    block's unrouted window reaches back before it); ``"anywhere"`` is the default and draws exactly as before."""
+    geometry = dict(routed_blocks=2, nearest_m=1, segment_starts=[8])   # kvpo_shapes: blocks 1, sink 1, window 4
+    default = [plan_routing(13, 1, 1, 4, iteration=i, **geometry) for i in range(20)]
+    anywhere = [plan_routing(13, 1, 1, 4, iteration=i, fork="anywhere", **geometry) for i in range(20)]
+    assert default == anywhere
+    after = [plan_routing(13, 1, 1, 4, iteration=i, fork="after_switch", **geometry) for i in range(40)]
+    assert set(default[0].eligible_forks) == {6, 8, 9, 10, 11}      # 7's routed blocks would cross the switch
+    assert set(after[0].eligible_forks) == {8, 9, 10}               # windows [f - 3, f] holding frame 7
+    assert {p.fork_frame for p in after} == {8, 9, 10}
+    for plan in after:                                             # each branch still attends a full, older pool
+        assert all(len(b) == 2 and max(b) < plan.fork_frame - 3 for b in plan.positions_per_branch)
+    # blocks of 3, window 9 (LongLive): forks at a switch or one block after it
+    assert set(plan_routing(60, 3, 3, 9, routed_blocks=1, segment_starts=[21, 39],
+                            fork="after_switch").eligible_forks) == {21, 24, 39, 42}
+    with pytest.raises(ValueError, match="fork=after_switch"):
+        plan_routing(13, 1, 1, 4, routed_blocks=2, segment_starts=[3], fork="after_switch")   # pool too small there
+    with pytest.raises(ValueError, match="fork="):
+        plan_routing(13, 1, 1, 4, fork="late")
+
+
 @pytest.mark.parametrize("pool_g_n", [(14, 8, 5), (12, 8, 5), (10, 8, 5), (20, 4, 5), (15, 4, 5), (6, 4, 4),
                                       (11, 8, 4), (40, 8, 5)])
 def test_branch_overlap_is_bounded_as_documented(pool_g_n):
@@ -451,6 +473,39 @@ def test_fuse_advantages_by_hand_and_clamped():
     assert fuse_advantages(torch.tensor([0.3, 0.3]), None).tolist() == pytest.approx([0.3, 0.3])   # zero std: as is
     with pytest.raises(ValueError, match="at least one"):
         fuse_advantages(None, None)
+
+
+def test_a_std_floor_keeps_near_ties_small_and_leaves_spread_groups_as_official():
+    """``std_floor`` divides each component by ``max(std, floor)``; the fused signal is normalised by the std it has
+    without the floor. A group spread wider than the floor gets the official advantages; a nearly tied one gets them
+    times ``std/floor`` (official: unit size whatever the spread)."""
+    ref = {"a": 0.5, "b": 0.2}
+    wide = {"a": torch.tensor([0.2, 0.9, 0.4]), "b": torch.tensor([0.5, 0.1, 0.0])}
+    tied = {c: ref[c] + 1e-3 * (v - ref[c]) for c, v in wide.items()}   # the same pattern, 1000 times closer
+    floor = 0.05
+
+    def fused(branch, std_floor):
+        floored = reference_relative_advantages(branch, ref, std_floor=std_floor)
+        plain = reference_relative_advantages(branch, ref)
+        return fuse_advantages(floored, None, clip=None, local_norm=plain if std_floor else None)
+
+    official_wide, official_tied = fused(wide, 0.0), fused(tied, 0.0)
+    assert torch.allclose(official_wide, official_tied, atol=1e-4)          # official: scale-free
+    assert torch.equal(fused(wide, floor), official_wide)                  # every std above the floor: unchanged
+    # tied: each component's advantage shrinks by its std / floor
+    stds = {c: torch.cat([v, torch.tensor([ref[c]])]).double().std() for c, v in tied.items()}
+    shrunk = sum((tied[c].double() - ref[c]) / stds[c] * (stds[c] / floor) for c in tied)
+    plain = sum((tied[c].double() - ref[c]) / stds[c] for c in tied)
+    expected = shrunk / plain.std(unbiased=False)
+    assert torch.allclose(fused(tied, floor).double(), expected, rtol=1e-3, atol=1e-6)
+    assert float(fused(tied, floor).abs().max()) < 0.01 * float(official_tied.abs().max())
+    # the floor of one component, by hand
+    assert torch.allclose(reference_relative_advantage(tied["a"], 0.5, std_floor=floor).double(),
+                          (tied["a"].double() - 0.5) / (floor + 1e-8), rtol=1e-5)
+    with pytest.raises(ValueError, match="std_floor"):
+        reference_relative_advantage(tied["a"], 0.5, std_floor=-1.0)
+    with pytest.raises(ValueError, match="norm"):
+        fuse_advantages(official_wide, None, local_norm=torch.zeros(2))
 
 
 # ------------------------------------------------------------------------------------------------------ loss

@@ -325,3 +325,166 @@ def test_a_re_caching_model_streams_branches_whose_routed_blocks_a_switch_re_wri
     for r in (0, 1):
         assert torch.equal(batch.latents[r, :fork], batch.latents[2, :fork])
         assert not torch.equal(batch.latents[r, fork:plan.end_frame], batch.latents[2, fork:plan.end_frame])
+
+
+def test_all_linear_lora_wraps_every_linear_of_every_block_and_nothing_else():
+    """``model.lora.target_modules=[all-linear]`` (the official KVPO / LongLive LoRA: every linear layer of the
+    transformer blocks, rank 256) on the embedded streaming model: each ``nn.Linear`` inside ``transformer.blocks``
+    gets an adapter of that rank, and no module outside the blocks does (the embedders and the output projection
+    stay frozen)."""
+    from peft.tuners.lora import LoraLayer
+
+    from flowgrpo.finetune import prepare_trainable
+    from flowgrpo.models import load_stream_pipeline
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("train", overrides=[*BASE, "model.lora.target_modules=[all-linear]", "model.lora.rank=256",
+                                          "model.lora.alpha=256"])
+    transformer = load_stream_pipeline(cfg.model).pipe.transformer
+    linears = {n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)}
+    in_blocks = {n for n in linears if n.startswith("blocks.")}
+    # q, k, v, out of both attentions and the feed-forward's two, per block; embedders and proj_out outside
+    assert len(in_blocks) == 10 * len(transformer.blocks) and linears - in_blocks
+    params = prepare_trainable(transformer, cfg.model)
+    wrapped = {n for n, m in transformer.named_modules() if isinstance(m, LoraLayer)}
+    assert wrapped == in_blocks
+    for name in wrapped:
+        layer = transformer.get_submodule(name)
+        assert layer.r["default"] == 256 and layer.lora_A["default"].weight.shape[0] == 256
+    trainable = {n for n, p in transformer.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith("blocks.") and "lora_" in n for n in trainable)
+    assert len(params) == 2 * len(in_blocks)
+
+
+def test_evaluation_reads_the_ema_weights(tmp_path):
+    """With ``trainer.ema.enabled=true`` a KVPO run's held-out evaluation streams with the EMA weights: moving the
+    trained weights alone leaves its videos unchanged to the bit (and the trained weights are back afterwards),
+    while the same evaluation of the trained weights makes other videos."""
+    trainer = make_trainer(tmp_path, "trainer.ema.enabled=true")
+    jobs = trainer.eval_jobs()[:2]
+    videos = []
+    original = trainer.adapter.generate
+
+    def spy(*args, **kwargs):
+        videos.append(original(*args, **kwargs))
+        return videos[-1]
+
+    trainer.adapter.generate = spy
+    try:
+        trainer.held_out_samples(jobs)
+        with torch.no_grad():  # the trained weights move far; the EMA (the initial weights so far) does not
+            for p in trainer.params:
+                p.add_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        moved = [p.detach().clone() for p in trainer.params]
+        trainer.held_out_samples(jobs)
+        assert all(torch.equal(p, m) for p, m in zip(trainer.params, moved))
+        ema, trainer.ema = trainer.ema, None
+        try:
+            trainer.held_out_samples(jobs)
+        finally:
+            trainer.ema = ema
+    finally:
+        trainer.adapter.generate = original
+    assert len(videos) == 3 and torch.equal(videos[1], videos[0])
+    assert float((videos[2] - videos[0]).abs().max()) > 1e-2  # the trained weights make other videos
+
+
+@torch.no_grad()
+def test_teacher_forced_routed_blocks_equal_the_routed_stream(rolled):
+    """The teacher-forced forward with a branch's route (what ``algo=kvpo_awm`` trains through) predicts each of its
+    routed blocks, and the block after them, as the cached routed stream does at the same σ and input (no
+    guidance): the routed blocks' clean and noisy frames attend the planned frames, and the next block attends the
+    keys the routed write passes cached. The unrouted mask predicts the routed blocks otherwise."""
+    trainer, batch, _ = rolled
+    adapter = trainer.adapter
+    plan, fork = batch.extras["routing"][0], int(batch.extras["fork_block"][0])
+    K, S = batch.latents.shape[1], batch.latents.shape[2] - 1
+    sigmas = batch.plan.sigmas
+    clean = batch.latents[0:1, :, -1]
+    blocks = [k for k in range(fork, plan.end_frame + 1) if k < K]   # the routed blocks and the one after them
+    assert len(blocks) >= plan.blocks
+    j = S // 2
+    noisy = batch.latents[0:1, :, j].clone()
+    sigma = torch.full((1, K), float(sigmas[j]))
+    route = route_fn(plan, 0)
+    forced = adapter.teacher_forced_velocity(clean, noisy, sigma, batch.cond[[0]], routes=[route])
+    plain = adapter.teacher_forced_velocity(clean, noisy, sigma, batch.cond[[0]])
+    unrouted = adapter.teacher_forced_velocity(clean, noisy, sigma, batch.cond[[0]], routes=[None])
+    assert torch.equal(unrouted, plain)
+    cond = batch.extras["fork_cond"][0]                             # the group's state before its fork
+    for k in blocks:
+        with adapter.routed(route):
+            streamed = adapter.velocity(noisy[:, k], float(sigmas[j]), cond)
+            cond = adapter.commit(clean[:, k], cond)
+        assert float((forced[:, k] - streamed).abs().max()) < 1e-4, k
+        if k < plan.end_frame:
+            assert float((plain[:, k] - streamed).abs().max()) > 1e-3, k
+    before = [k for k in range(K) if k < fork]                       # identical before the fork
+    assert torch.equal(forced[:, before], plain[:, before])
+
+
+def test_kvpo_awm_trains_the_routed_branches_by_awm_under_their_routes(rolled, monkeypatch):
+    """``algo=kvpo_awm`` on KVPO's rollout: the loss is AWM's on each branch's blocks from its fork, through the
+    teacher-forced forward with the branch's route (each branch's own, never a reference run's), weighted by the
+    branch's KVPO advantage; a micro-batch of reference runs trains nothing; the gradient reaches only LoRA."""
+    from omegaconf import OmegaConf
+
+    from flowgrpo.algorithms import build_algorithm
+    from flowgrpo.algorithms.kvpo import KVPOAWM
+
+    trainer, batch, _ = rolled
+    algo_cfg = OmegaConf.merge(OmegaConf.structured(KVPOAWM.config_class), {"name": "kvpo_awm", "kl_beta": 0.0})
+    algo = build_algorithm(algo_cfg, trainer.cfg.sampler, batch.plan.sigmas, chunks=batch.latents.shape[1])
+    assert isinstance(algo, KVPOAWM) and algo.rollout_guidance()
+    ctx = trainer.policy
+    ctx.iteration, ctx.epoch = 0, 0
+    seen = []
+    original = ctx.teacher_forced_velocity
+
+    def spy(clean, noisy, sigma, cond, routes=None):
+        seen.append([r(plan.fork_frame, 1, list(range(plan.fork_frame))) for r in routes])
+        return original(clean, noisy, sigma, cond, routes=routes)
+
+    plan = batch.extras["routing"][0]
+    monkeypatch.setattr(ctx, "teacher_forced_velocity", spy)
+    zero, info = algo.loss(ctx, batch, torch.tensor([2, 5]), torch.zeros(2, dtype=torch.long))
+    assert info == {} and not seen and float(zero) == 0
+    algo.ema.move(ctx.params)                                        # the trust region at the live weights
+    loss, info = algo.loss(ctx, batch, torch.arange(3), torch.zeros(3, dtype=torch.long))
+    # the EMA's forward and the live one, each with the two branches' own routes
+    assert len(seen) == 2 and seen[0] == seen[1] == [[0, *plan.positions_per_branch[b], plan.fork_frame - 1]
+                                                     for b in (0, 1)]                 # sink, older, nearest
+    assert torch.isfinite(loss) and info["ema_kl"] == 0 and "policy_loss" in info
+    loss.backward()
+    grads = {n: p.grad for n, p in trainer.unwrapped.named_parameters() if p.grad is not None}
+    assert grads and all("lora" in n for n in grads)
+    assert any(float(g.abs().max()) > 0 for g in grads.values()) or all(float(a) == 0 for a in batch.advantages[:2])
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def test_after_switch_forks_and_the_routed_frames_reward_through_the_trainer(tmp_path):
+    """``algo.fork=after_switch algo.local_reward=blocks``: every group forks in the first blocks after a prompt
+    switch (its window still holding frames from before it), each row's metadata names the group's routed pixel
+    frames, the reward scores them (``window/<name>``) and the local advantage is theirs."""
+    from flowgrpo.algorithms.kvpo import fuse_advantages, reference_relative_advantages
+
+    trainer = make_trainer(tmp_path, "algo.fork=after_switch", "algo.local_reward=blocks")
+    batch = trainer.rollout(trainer.plan(0), 0)
+    trainer.score(batch)
+    trainer.advantage(batch)
+    cfg = trainer.algorithm.cfg
+    for p, plan in enumerate(batch.extras["routing"]):
+        segments = batch.cond.segments[3 * p].tolist()
+        switches = [k for k in range(1, len(segments)) if segments[k] != segments[k - 1]]
+        assert any(s <= plan.fork_frame < s + 3 for s in switches), (plan.fork_frame, switches)   # window 4, blocks 1
+        for r in range(3 * p, 3 * p + 3):
+            assert batch.metadata[r]["window"] == [4 * plan.fork_frame - 3, 4 * (plan.end_frame - 1) + 1]
+        comps = {k: v.cpu().double() for k, v in batch.components.items()}
+        rows = slice(3 * p, 3 * p + 3)
+        local = reference_relative_advantages({c: comps[f"window/{c}"][rows][:2] for c in cfg.local_components},
+                                              {c: comps[f"window/{c}"][rows][2] for c in cfg.local_components})
+        global_ = reference_relative_advantages({c: comps[c][rows][:2] for c in cfg.global_components},
+                                                {c: comps[c][rows][2] for c in cfg.global_components})
+        expected = fuse_advantages(local, global_, w_local=cfg.w_local, w_global=cfg.w_global, clip=cfg.adv_clip)
+        assert torch.allclose(batch.advantages[3 * p: 3 * p + 2].cpu(), expected, atol=1e-6)
+    assert all("window" not in m for m in trainer.train_set.metadata)   # the data's own records are untouched

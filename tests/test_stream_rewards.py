@@ -226,6 +226,29 @@ def test_recovery_counts_the_frames_until_the_new_motion_holds(reward):
     assert never.components["recovery_frames"] == 16 and never.components["segment1/direction"] == 0.0
 
 
+def test_a_window_scores_its_own_frames_and_changes_nothing_else(reward):
+    """A stream's metadata ``window`` [start, end) adds ``window/direction``, ``window/speed``, ``window/adherence``:
+    those rules on the window's frames alone, without the grace (the frames a KVPO branch routed); every other
+    component is the same as without it, and a batch without any window has no such component."""
+    clips = np.stack([_square_clip(16), _square_clip(24)])                  # on time; 8 frames late
+    plain = reward(clips, None, [_meta(16)] * 2)
+    assert set(plain.components) == set(NAMES)                            # the reward's outputs, unchanged
+    early, late = {**_meta(16), "window": [16, 24]}, {**_meta(16), "window": [24, 32]}
+    out = reward(np.concatenate([clips, clips]), None, [early, early, late, late])
+    for name in NAMES:
+        torch.testing.assert_close(out.components[name], torch.cat([plain.components[name]] * 2), rtol=0, atol=0,
+                                   equal_nan=True, msg=name)
+    assert torch.equal(out.scores, torch.cat([plain.scores] * 2))
+    direction = out.components["window/direction"].tolist()
+    assert direction == [1.0, 0.0, 1.0, 1.0]        # the late turn: still moving right in [16, 24), down after
+    assert out.components["window/adherence"][1] == 0 and out.components["window/adherence"][0] > 0.9
+    assert out.components["window/speed"][0] == 1.0 and out.components["window/speed"][1] == 0.0
+    mixed = reward(clips, None, [early, _meta(16)])                        # a stream without a window: NaN
+    assert mixed.components["window/direction"][0] == 1.0 and math.isnan(mixed.components["window/direction"][1])
+    with pytest.raises(ValueError, match="window"):
+        reward(clips[:1], None, [{**_meta(16), "window": [30, 31]}])
+
+
 def test_teleport_smoothness_and_anti_freeze_thresholds(reward):
     meta = _meta(16)
     clips = [_square_clip(16), _square_clip(16, jump_at=(8,)), _square_clip(16, jump_at=(8, 10)),

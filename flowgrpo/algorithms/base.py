@@ -320,12 +320,14 @@ class UpdateContext:
         raise NotImplementedError
 
     def teacher_forced_velocity(self, clean: torch.Tensor, noisy: torch.Tensor, sigma: torch.Tensor,
-                                cond: Any) -> torch.Tensor:
+                                cond: Any, routes=None) -> torch.Tensor:
         """A streaming model's velocity of every block of whole streams in one teacher-forced forward per stream:
         ``noisy`` ``[n, K, ...]`` blocks at ``sigma`` ``[n, K]``, each against the clean context the stream's cache
         held (built from ``clean``, the committed blocks), under its own segment's prompt; no guidance. Block
         ``k``'s output equals :meth:`velocity` at ``(noisy[:, k], sigma[:, k])`` under block ``k``'s conditioning
-        without guidance. Differentiable; inside :meth:`reference` it is the reference policy's."""
+        without guidance. ``routes``: per stream, the route it was streamed under (as :meth:`routed` takes, one
+        list per call) or ``None`` (unrouted; the default). Differentiable; inside :meth:`reference` it is the
+        reference policy's."""
         raise NotImplementedError
 
 

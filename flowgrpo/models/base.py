@@ -481,7 +481,7 @@ class FlowAdapter(TransformerAccess):
         cache to route."""
         raise TypeError(f"{type(self).__name__} is not a streaming model (model.family=causal_wan)")
 
-    def teacher_forced_velocity(self, clean, noisy, sigma, cond, *, transformer=None) -> torch.Tensor:
+    def teacher_forced_velocity(self, clean, noisy, sigma, cond, *, routes=None, transformer=None) -> torch.Tensor:
         """A streaming model's teacher-forced forward over whole streams (``StreamAdapter.teacher_forced_velocity``);
         one chunk has no context to force."""
         raise TypeError(f"{type(self).__name__} is not a streaming model (model.family=causal_wan)")

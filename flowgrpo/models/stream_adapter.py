@@ -147,6 +147,33 @@ class ForcingRun:
     blocks: tuple
 
 
+def _routed_mask(mask: torch.Tensor, layout: tuple, route, block_frames: int) -> torch.Tensor:
+    """A teacher-forced sequence's frame mask (``layout``: per run, its clean positions and its blocks, the sequence
+    being each run's clean frames then its noisy blocks) with every trained block's clean and noisy query frames
+    attending, besides their own block, the clean frames ``route(block start, block_frames, the run's clean
+    positions before it)`` picks: what a routed stream's write pass and denoising calls attend."""
+    mask = mask.clone()
+    start = 0
+    for clean, blocks in layout:
+        clean = list(clean)
+        index = {p: start + i for i, p in enumerate(clean)}
+        first_noisy = start + len(clean)
+        for b in blocks:
+            s, e = b * block_frames, (b + 1) * block_frames
+            chosen = [int(p) for p in torch.as_tensor(route(s, block_frames, [p for p in clean if p < s])).tolist()]
+            if any(p not in index or p >= s for p in chosen):
+                raise ValueError(f"the route picks {chosen} for the block at {s}, but the run's clean frames before "
+                                 f"it are {[p for p in clean if p < s]}")
+            context = [index[p] for p in chosen]
+            noisy = [first_noisy + (p - blocks[0] * block_frames) for p in range(s, e)]
+            for rows, own in (([index[p] for p in range(s, e)], [index[p] for p in range(s, e)]), (noisy, noisy)):
+                mask[rows] = False
+                for r in rows:
+                    mask[r, context + own] = True
+        start = first_noisy + len(blocks) * block_frames
+    return mask
+
+
 def stream_sde_mask(num_steps: int) -> torch.Tensor:
     """Bool ``[S]`` over a block's ``S`` steps (``[σ_0, …, σ_{S−1}, 0]``): the re-noise steps (all but the last)."""
     mask = torch.ones(num_steps, dtype=torch.bool)
@@ -398,7 +425,8 @@ class StreamAdapter(TransformerAccess):
         return runs
 
     def teacher_forced_velocity(self, clean: torch.Tensor, noisy: torch.Tensor, sigma: torch.Tensor,
-                                cond: StreamCond, *, transformer: torch.nn.Module | None = None) -> torch.Tensor:
+                                cond: StreamCond, *, routes: Sequence[Any] | None = None,
+                                transformer: torch.nn.Module | None = None) -> torch.Tensor:
         """The conditional velocity of every block of a batch of streams in one forward per stream: the sequence
         ``[clean context; noisy blocks]`` under :func:`~flowgrpo.models.causal_wan.teacher_forcing_mask`
         (block-diagonal over :meth:`forcing_runs`), each frame under its own segment's prompt, clean frames at
@@ -410,6 +438,12 @@ class StreamAdapter(TransformerAccess):
             noisy: ``[B, K, C, F, h, w]`` the blocks to denoise.
             sigma: ``[B, K]`` each noisy block's noise level.
             cond: the streams' conditioning (any block's: its segment prompts and segments are read).
+            routes: per stream, the route its blocks were streamed under (``CausalWan.routed``'s
+                ``route(frame_offset, num_frames, cached_positions)``, one list of positions), or ``None``
+                (unrouted; the default for every stream). A routed block's clean and noisy frames then attend the
+                clean frames its route picks from the run's clean frames before it (and their own block), as the
+                routed write pass and denoising calls did: KVPO's branches (arXiv 2605.14278) trained by a
+                teacher-forced forward.
             transformer: what to call instead of the transformer (its wrapper; the reference policy's context).
 
         Returns ``[B, K, C, F, h, w]`` float32, differentiable (the gradient also flows through the clean context,
@@ -421,6 +455,8 @@ class StreamAdapter(TransformerAccess):
                              f"and cond ({len(cond)} streams) must describe the same [B, K] blocks")
         if cond.segments.shape[1] != K:
             raise ValueError(f"cond lays out {cond.segments.shape[1]} blocks per stream, the input has {K}")
+        if routes is not None and len(routes) != B:
+            raise ValueError(f"routes has {len(routes)} entries for {B} streams (one route or None per stream)")
         c = self.config
         bf = c.block_frames
         frames = K * bf
@@ -445,6 +481,9 @@ class StreamAdapter(TransformerAccess):
                 masks.append(teacher_forcing_mask(list(clean_pos), bf, sink_frames=c.sink_frames,
                                                   window_frames=c.window_frames, noisy=noisy_pos))
             mask = torch.block_diag(*masks)
+            if routes is not None and any(routes[row] is not None for row in rows):
+                mask = torch.stack([mask if routes[row] is None else _routed_mask(mask, layout, routes[row], bf)
+                                    for row in rows])
             text_frames = []
             for row in rows:
                 seg = cond.segments[row].tolist()

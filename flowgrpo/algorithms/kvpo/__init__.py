@@ -17,10 +17,13 @@ The package, one module per concern (each reads alone; the names below are impor
 * :mod:`.objective` — the TVE branch policy, reference-relative advantages and the clipped loss on the branch
   simplex (:func:`tve_scores`, :func:`fuse_advantages`, :func:`kvpo_loss`);
 * :mod:`.rollout` — the branched streams the algorithm samples (:class:`BranchedRollout`);
-* :mod:`.algorithm` — the algorithm itself (:class:`KVPOConfig`, :class:`KVPO`).
+* :mod:`.algorithm` — the algorithm itself (:class:`KVPOConfig`, :class:`KVPO`);
+* :mod:`.awm` — the ablation ``algo=kvpo_awm`` (:class:`KVPOAWM`): the same branches trained by streaming AWM's
+  update instead of the TVE objective.
 """
 
-from .algorithm import KVPO, KVPOConfig
+from .algorithm import KVPO, BranchingConfig, KVPOConfig
+from .awm import KVPOAWM, KVPOAWMConfig
 from .objective import (branch_log_policy, fuse_advantages, kvpo_loss, reference_relative_advantage,
                         reference_relative_advantages, tve_scores)
 from .rollout import BranchedRollout
@@ -29,4 +32,5 @@ from .routing import (Route, RoutingPlan, batched_route_fn, plan_routing, route_
 
 __all__ = ["RoutingPlan", "plan_routing", "route_fn", "batched_route_fn", "stacked_route_fn", "unrouted_positions",
            "tve_scores", "branch_log_policy", "reference_relative_advantage", "reference_relative_advantages",
-           "fuse_advantages", "kvpo_loss", "BranchedRollout", "KVPOConfig", "KVPO", "Route"]
+           "fuse_advantages", "kvpo_loss", "BranchedRollout", "BranchingConfig", "KVPOConfig", "KVPO", "KVPOAWMConfig",
+           "KVPOAWM", "Route"]

@@ -17,35 +17,56 @@ from ...rollout import Rollout, SamplingModel
 from ..base import Algorithm, Batch, GalleryNotes, Scores, UpdateContext
 from ..old_policy import OldPolicy
 from .objective import branch_log_policy, fuse_advantages, kvpo_loss, reference_relative_advantages, tve_scores
-from .routing import RoutingPlan, plan_routing
+from .routing import FORKS, RoutingPlan, plan_routing
 from .rollout import BranchedRollout
 
-__all__ = ["KVPOConfig", "KVPO"]
+__all__ = ["BranchingConfig", "KVPOConfig", "KVPO", "LOCAL_REWARDS"]
+
+#: ``algo.local_reward``: what the local advantage scores (the fork segment, or the fork's routed frames)
+LOCAL_REWARDS = ("segment", "blocks")
 
 
 @dataclass
-class KVPOConfig(AlgoConfig):
-    """``algo=kvpo``: the official defaults where they carry over to a small model (the routing geometry follows the
-    model: ``n = window − block − nearest_m`` older frames per branch). ``trainer.group_size`` = branches + 1: the
-    last member of each group is the reference (unrouted) run."""
+class BranchingConfig(AlgoConfig):
+    """What every algorithm training KVPO's routed branches shares (``algo=kvpo``, ``algo=kvpo_awm``): where the
+    streams fork, what the branches attend, which blocks are trained and the advantages relative to each group's
+    reference run. ``trainer.group_size`` = branches + 1: the last member of each group is the reference (unrouted)
+    run."""
 
     routed_blocks: int = knob(2, ge=1)  # P consecutive routed blocks from the fork (fewer where a stream has no room)
+    # anywhere: uniform over the eligible forks (official); after_switch: only the first blocks after a prompt switch,
+    # whose unrouted window still shows the motion before it
+    fork: str = knob("anywhere", choices=FORKS)
     nearest_m: int = knob(1, ge=0)  # frames just before a routed block it keeps attending (official m minus the block)
     outside_window: bool = True  # draw older frames only from outside the fork block's unrouted window
-    replay_blocks: int = knob(0, ge=0)  # blocks replayed from the fork for the TVE score; 0 = the routed ones
+    replay_blocks: int = knob(0, ge=0)  # blocks trained from the fork (replayed for the TVE score); 0 = the routed ones
+    w_local: float = knob(1.0, ge=0)  # weight of the fork segment's (local) advantage after std normalisation
+    w_global: float = knob(0.5, ge=0)  # weight of the whole stream's (global) advantage after std normalisation
+    adv_clip: float = knob(2.5, gt=0)  # fused advantages clamped to +-adv_clip
+    # a component's advantage divides by max(std over the group, floor) (reward units): near-ties stay small instead
+    # of becoming unit-size advantages; 0 = the official std (its scale is kept by the local/global normalisation)
+    adv_std_floor: float = knob(0.0, ge=0)
+    # segment: the local reward is the fork segment's segment<s>/<name>; blocks: the reward scored on the fork's
+    # routed frames alone (window/<name>; the official scores its fork chunk)
+    local_reward: str = knob("segment", choices=LOCAL_REWARDS)
+    local_components: List[str] = field(default_factory=lambda: ["adherence", "direction", "speed"])  # the local reward's components (segment<s>/<name> or window/<name>)
+    global_components: List[str] = field(default_factory=lambda: [
+        "adherence", "direction", "speed", "identity", "teleport", "smoothness", "recovery", "anti_freeze"])  # the whole stream's reward components
+    branch_batch: int = knob(0, ge=0)  # branches streamed / replayed together (each holds a KV cache); 0 = all
+
+
+@dataclass
+class KVPOConfig(BranchingConfig):
+    """``algo=kvpo``: the official defaults where they carry over to a small model (the routing geometry follows the
+    model: ``n = window − block − nearest_m`` older frames per branch); the branches as ``BranchingConfig``, trained
+    by the TVE policy on the branch simplex."""
+
     grad_steps: int = knob(2, ge=1)  # per replayed block, the first steps that carry the gradient (official 2)
     sigma_floor: float = knob(1.0, ge=0)  # TVE weights 1/(2·max(sigma, floor)^2): the official 1 weighs steps equally
     clip_low: float = knob(0.1, gt=0, le=0.99)  # ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_high: float = knob(0.2, gt=0)  # the asymmetric upper clip
     kl_beta: float = knob(10.0, ge=0)  # weight of the discrete KL(pi_theta || pi_init) on the branch simplex
-    w_local: float = knob(1.0, ge=0)  # weight of the fork segment's (local) advantage after std normalisation
-    w_global: float = knob(0.5, ge=0)  # weight of the whole stream's (global) advantage after std normalisation
-    adv_clip: float = knob(2.5, gt=0)  # fused advantages clamped to +-adv_clip
-    local_components: List[str] = field(default_factory=lambda: ["adherence", "direction", "speed"])  # the fork segment's: segment<s>/<name> of the reward
-    global_components: List[str] = field(default_factory=lambda: [
-        "adherence", "direction", "speed", "identity", "teleport", "smoothness", "recovery", "anti_freeze"])  # the whole stream's reward components
     old_sync_every: int = knob(2, ge=1)  # the rollout (old) policy takes the trained weights every n iterations
-    branch_batch: int = knob(0, ge=0)  # branches streamed / replayed together (each holds a KV cache); 0 = all
 
 
 class KVPO(Algorithm):
@@ -115,11 +136,16 @@ class KVPO(Algorithm):
                                     seed=seed, iteration=iteration, prompt_index=prompt_index,
                                     cache_frames=layout["cache_frames"], recache=layout.get("recache", False),
                                     outside_window=self.cfg.outside_window,
-                                    segment_starts=starts)
+                                    segment_starts=starts, fork=self.cfg.fork)
             except ValueError:
                 if blocks == 1:
                     raise
                 blocks -= 1
+
+    def rollout_guidance(self) -> bool:
+        """Whether the branches stream with the run's guidance (else the conditional velocity): the training guidance
+        (``Needs.training_guidance``), which the TVE replay must reproduce."""
+        return self.needs.training_guidance
 
     def make_rollout(self, model: SamplingModel, **engine: Any) -> Rollout:
         """Phase 2: the branched streams (:class:`BranchedRollout`), sampled with the old policy."""
@@ -140,26 +166,33 @@ class KVPO(Algorithm):
                            f"{sorted(comps)})")
         adv = torch.zeros(n, dtype=torch.float32)
         beats = []
+        floor = self.cfg.adv_std_floor
         for p in range(n // G1):
             rows = torch.arange(p * G1, (p + 1) * G1)
             seg = int(batch.extras["fork_segment"][p * G1])
-            signals = {}
-            for kind, names in (("local", [f"segment{seg}/{c}" for c in self.cfg.local_components]),
-                                ("global", list(self.cfg.global_components))):
+            local_names = ([f"window/{c}" for c in self.cfg.local_components] if self.cfg.local_reward == "blocks"
+                           else [f"segment{seg}/{c}" for c in self.cfg.local_components])
+            signals, norms = {}, {}
+            for kind, names in (("local", local_names), ("global", list(self.cfg.global_components))):
                 values = {c: comps[c][rows] for c in names if c in comps and torch.isfinite(comps[c][rows]).all()}
                 if kind == "local" and self.cfg.local_components and not any(c in comps for c in names):
-                    raise KeyError(f"algo.local_components: the reward returns none of {names} (per-segment "
-                                   f"components, as reward=long_video's segment<k>/<name>)")
+                    raise KeyError(f"algo.local_components: the reward returns none of {names} "
+                                   + ("(the components of the fork's routed frames, which reward=long_video returns "
+                                      "for a stream whose metadata names a window)" if self.cfg.local_reward == "blocks"
+                                      else "(per-segment components, as reward=long_video's segment<k>/<name>)"))
                 if values:
-                    signals[kind] = reference_relative_advantages({c: v[:G] for c, v in values.items()},
-                                                                  {c: v[G] for c, v in values.items()})
+                    branch, ref = {c: v[:G] for c, v in values.items()}, {c: v[G] for c, v in values.items()}
+                    signals[kind] = reference_relative_advantages(branch, ref, std_floor=floor)
+                    if floor > 0:  # normalised by the std it has without the floor: near-ties stay small
+                        norms[kind] = reference_relative_advantages(branch, ref)
             local = signals.get("local") if self.cfg.w_local > 0 else None
             global_ = signals.get("global") if self.cfg.w_global > 0 else None
             beats.append(any(s is not None and bool((s > 0).any()) for s in (local, global_)))
             if local is None and global_ is None:
                 continue
             adv[rows[:G]] = fuse_advantages(local, global_, w_local=self.cfg.w_local, w_global=self.cfg.w_global,
-                                            clip=self.cfg.adv_clip)
+                                            clip=self.cfg.adv_clip, local_norm=norms.get("local"),
+                                            global_norm=norms.get("global"))
         batch.extras["beats_reference"] = torch.tensor(beats)
         return scores.gather(adv)
 

@@ -19,9 +19,14 @@ changes nothing.
 **Advantages** (:func:`reference_relative_advantages`, :func:`fuse_advantages`). Per reward component ``c``,
 ``A_c(g) = (r_c(g) − r_c(ref)) / (std([r_c(1), …, r_c(G), r_c(ref)]) + 1e-8)`` (unbiased std over ``G + 1``
 values), then ``A = Σ_c w_c·A_c``. Such an advantage is computed for the *local* signal (rewards of the fork
-segment) and the *global* one (the whole stream); each is divided by its own std over the branches (biased;
-left unchanged when that std is ≤ 1e-8), they are summed with weights 1.0 and 0.5 and clamped to ±2.5. The
-sign stays relative to the reference branch: no mean is subtracted.
+segment, or of the fork's routed frames) and the *global* one (the whole stream); each is divided by its own std
+over the branches (biased; left unchanged when that std is ≤ 1e-8), they are summed with weights 1.0 and 0.5 and
+clamped to ±2.5. The sign stays relative to the reference branch: no mean is subtracted.
+
+A floor on the std (``std_floor``, reward units; not in the official code) divides each component by
+``max(std, floor)``; the signal is then divided by the std it has *without* the floor, so a group whose rewards
+nearly tie (std below the floor) gets advantages ``std/floor`` times the official ones instead of unit-size ones,
+and a group spread wider than the floor gets exactly the official ones.
 
 **Loss** (:func:`kvpo_loss`). On the simplex, ``ρ_g = exp(clamp(log π_θ(g) − log π_old(g), −20, 20))`` (each
 normalised by its logsumexp, so raw scores or log-policies may be passed);
@@ -87,10 +92,11 @@ def branch_log_policy(scores: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------- advantages
 
 
-def reference_relative_advantage(rewards: torch.Tensor, reference: torch.Tensor | float, eps: float = 1e-8
-                                 ) -> torch.Tensor:
-    """One component: ``(r_g − r_ref) / (std([r_1, …, r_G, r_ref]) + eps)``, unbiased std, float64 ``[G]``.
-    A branch that scores exactly as the reference branch gets exactly 0."""
+def reference_relative_advantage(rewards: torch.Tensor, reference: torch.Tensor | float, eps: float = 1e-8,
+                                 std_floor: float = 0.0) -> torch.Tensor:
+    """One component: ``(r_g − r_ref) / (max(std([r_1, …, r_G, r_ref]), std_floor) + eps)``, unbiased std, float64
+    ``[G]``. A branch that scores exactly as the reference branch gets exactly 0. ``std_floor`` (reward units; 0: the
+    official plain std) keeps a group whose rewards nearly tie from getting unit-size advantages."""
     r = torch.as_tensor(rewards).detach().to(torch.float64).cpu()
     if r.ndim != 1 or r.numel() < 1:
         raise ValueError(f"branch rewards must be a 1-D tensor [G], got shape {tuple(r.shape)}")
@@ -100,19 +106,25 @@ def reference_relative_advantage(rewards: torch.Tensor, reference: torch.Tensor 
     ref = ref.reshape(())
     if not (torch.isfinite(r).all() and torch.isfinite(ref)):
         raise ValueError("rewards must be finite")
-    spread = torch.cat([r, ref[None]]).std() + eps
-    return (r - ref) / spread
+    if std_floor < 0:
+        raise ValueError(f"std_floor must be >= 0, got {std_floor}")
+    spread = torch.cat([r, ref[None]]).std()
+    if std_floor > 0:
+        spread = spread.clamp_min(std_floor)
+    return (r - ref) / (spread + eps)
 
 
 def reference_relative_advantages(branch_rewards: Mapping[str, torch.Tensor],
                                   reference_rewards: Mapping[str, torch.Tensor | float],
-                                  weights: Mapping[str, float] | None = None, *, eps: float = 1e-8) -> torch.Tensor:
-    """``Σ_c w_c·(r_c(g) − r_c(ref)) / (std([r_c(1..G), r_c(ref)]) + eps)``, float32 ``[G]``.
+                                  weights: Mapping[str, float] | None = None, *, eps: float = 1e-8,
+                                  std_floor: float = 0.0) -> torch.Tensor:
+    """``Σ_c w_c·(r_c(g) − r_c(ref)) / (max(std([r_c(1..G), r_c(ref)]), std_floor) + eps)``, float32 ``[G]``.
 
     Args:
         branch_rewards: ``{component: [G]}`` each branch's reward per component.
         reference_rewards: ``{component: scalar}`` the reference branch's.
         weights: ``{component: w_c}`` (default 1 each; the official code uses the raw weights, not normalised).
+        std_floor: the least std a component divides by (:func:`reference_relative_advantage`; 0: official).
     """
     if not branch_rewards:
         raise ValueError("branch_rewards must hold at least one component")
@@ -125,7 +137,7 @@ def reference_relative_advantages(branch_rewards: Mapping[str, torch.Tensor],
                          "they must match")
     total = None
     for name, rewards in branch_rewards.items():
-        adv = float(weights[name]) * reference_relative_advantage(rewards, reference_rewards[name], eps)
+        adv = float(weights[name]) * reference_relative_advantage(rewards, reference_rewards[name], eps, std_floor)
         if total is not None and adv.shape != total.shape:
             raise ValueError(f"component {name!r} has {adv.numel()} branch rewards, another {total.numel()}")
         total = adv if total is None else total + adv
@@ -138,25 +150,35 @@ def _std_normalised(adv: torch.Tensor) -> torch.Tensor:
 
 
 def fuse_advantages(local: torch.Tensor | None, global_: torch.Tensor | None, *, w_local: float = 1.0,
-                    w_global: float = 0.5, clip: float | None = 2.5) -> torch.Tensor:
+                    w_global: float = 0.5, clip: float | None = 2.5, local_norm: torch.Tensor | None = None,
+                    global_norm: torch.Tensor | None = None) -> torch.Tensor:
     """``clamp(w_local·A_local/std(A_local) + w_global·A_global/std(A_global), −clip, clip)``, float32 ``[G]``.
 
     Each signal is divided by its biased std over the branches (unchanged when that std is ≤ 1e-8), no mean is
     subtracted (the sign stays relative to the reference branch). Either signal may be ``None`` (not trained);
-    ``clip=None`` does not clamp.
+    ``clip=None`` does not clamp. ``local_norm`` / ``global_norm``: divide by the std of that signal instead (the
+    same signal computed without a std floor, so a floored, nearly tied signal stays small: the official
+    normalisation would scale it back to unit size).
     """
     if local is None and global_ is None:
         raise ValueError("fuse_advantages needs at least one of local and global_")
     if clip is not None and clip <= 0:
         raise ValueError(f"clip must be > 0 or None, got {clip}")
     parts = []
-    for name, adv, weight in (("local", local, w_local), ("global_", global_, w_global)):
+    for name, adv, weight, norm in (("local", local, w_local, local_norm), ("global_", global_, w_global, global_norm)):
         if adv is None:
             continue
         adv = torch.as_tensor(adv).detach().to(torch.float64)
         if adv.ndim != 1:
             raise ValueError(f"{name} must be a 1-D tensor [G], got shape {tuple(adv.shape)}")
-        parts.append(float(weight) * _std_normalised(adv))
+        if norm is None:
+            parts.append(float(weight) * _std_normalised(adv))
+            continue
+        norm = torch.as_tensor(norm).detach().to(torch.float64)
+        if norm.shape != adv.shape:
+            raise ValueError(f"{name}'s norm {tuple(norm.shape)} must have its shape {tuple(adv.shape)}")
+        std = norm.std(unbiased=False)
+        parts.append(float(weight) * (adv if std <= 1e-8 else adv / (std + 1e-8)))
     if len(parts) == 2 and parts[0].shape != parts[1].shape:
         raise ValueError(f"local {tuple(parts[0].shape)} and global_ {tuple(parts[1].shape)} must have one value per "
                          "branch each")

@@ -28,6 +28,9 @@ class BranchedRollout(Rollout):
     (copied, computed once) and a branch differs from it only by what its routed blocks attended (and, after the
     fork, by the float rounding of another batch).
 
+    With ``algo.local_reward=blocks`` each row's metadata (a copy) names its group's routed pixel frames as its
+    ``window``, which the long-video reward scores on their own (``window/<name>``).
+
     Records every block's step inputs (``latents``) and clean predictions (``extras["x0"]``), and each group's
     state before its fork (``extras["fork_cond"]``: the replay starts there). Only those states are kept, not one
     per block: at Wan2.1-1.3B size a block's KV cache is gigabytes. Branches stream ``algo.branch_batch`` at a time
@@ -73,7 +76,7 @@ class BranchedRollout(Rollout):
         if layout["window_frames"] is None:
             raise ValueError("algo=kvpo routes the frames outside a block's window: the model needs a window "
                              "(model.stream.window_frames)")
-        training = algo.needs.training_guidance  # the guidance its update replays with
+        training = algo.rollout_guidance()  # KVPO: the guidance its update replays with
         velocity_of = self.model.velocity_fn(None, guidance=None if training else {"guidance_scale": 1.0})
         n = len(batch.prompts)
         groups = n // G1
@@ -88,6 +91,14 @@ class BranchedRollout(Rollout):
                                    iteration=int(iteration), prompt_index=gid)
             plans.append(rp)
             forks.append(rp.fork_frame // layout["block_frames"])
+        if algo.cfg.local_reward == "blocks":  # the reward also scores each group's routed frames (window/<name>)
+            if batch.metadata is None:
+                raise ValueError("algo.local_reward=blocks scores the routed frames named in each stream's metadata; "
+                                 "the batch has none (data: a streams JSONL)")
+            t = adapter.temporal_factor  # latent frame f holds pixel frames t·f - t + 1 .. t·f (frame 0: pixel 0)
+            batch.metadata = [{**m, "window": [max(0, t * plans[r // G1].fork_frame - t + 1),
+                                               t * (plans[r // G1].end_frame - 1) + 1]}
+                              for r, m in enumerate(batch.metadata)]
         # common random numbers: one draw of every noise per prompt, for all its rows
         gens = [self._generator(iteration, int(batch.global_rows[p * G1]) // G1, 0) for p in range(groups)]
         noise = self.model.noise(len(gens), gens)  # [groups, K, C, F, h, w]

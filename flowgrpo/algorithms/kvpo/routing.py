@@ -26,6 +26,12 @@ Its pool therefore stops ``b`` frames before the nearest ones (frames no branch 
 frames of the unrouted window (2 with its defaults), which ``outside_window`` leaves out. Its budget
 ``n = local_attn − sink − m_official`` is ours, as its ``local_attn`` counts the sink (``local_attn = s + w``).
 
+With ``fork="after_switch"`` only the eligible forks in the first ``w − b`` frames of a segment after a prompt
+switch ``s`` count (``s ≤ f₀ < s + w − b``): the fork block's unrouted window still holds frames made before the
+switch, so its context shows the old motion while its prompt asks the new one (the probes behind arXiv 2605.14278's
+"semantic" exploration: a branch then changes how the stream turns). The official code draws among every eligible
+fork (``fork="anywhere"``, the default).
+
 One fork and one permutation of the pool (length ``L``) are drawn per (seed, iteration, prompt index) from a
 ``numpy.random.SeedSequence``. Each branch takes ``n`` consecutive entries of the permutation (cyclically), from
 one of the evenly spaced starts ``⌊j·L/G⌋``. When the pool holds ``G·n`` frames the starts are ``n`` or more apart
@@ -53,8 +59,11 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-__all__ = ["Route", "RoutingPlan", "plan_routing", "route_fn", "batched_route_fn", "stacked_route_fn",
+__all__ = ["FORKS", "Route", "RoutingPlan", "plan_routing", "route_fn", "batched_route_fn", "stacked_route_fn",
            "unrouted_positions"]
+
+#: where a stream may fork (:func:`plan_routing`'s ``fork``)
+FORKS = ("anywhere", "after_switch")
 
 #: ``route(frame_offset, num_frames, cached_positions) -> positions`` (``CausalWan.routed``'s hook).
 Route = Callable[[int, int, list], "list[int] | torch.Tensor"]
@@ -155,6 +164,7 @@ def plan_routing(
     min_fork_frame: int | None = None,
     max_fork_frame: int | None = None,
     segment_starts: Sequence[int] = (),
+    fork: str = "anywhere",
 ) -> RoutingPlan:
     """Draw a fork block and ``G`` branch selections of older frames (the module docstring gives every rule).
 
@@ -179,6 +189,10 @@ def plan_routing(
         max_fork_frame: latest fork (inclusive; the official "within the first chunks" option).
         segment_starts: frames where a segment starts (prompt switches, chunk boundaries): the routed blocks lie
             in one segment.
+        fork: which eligible forks the fork is drawn from: ``"anywhere"`` (every one) or ``"after_switch"``
+            (those at a segment start ``s`` or just after it, ``s <= fork < s + window_frames - block_frames``:
+            the fork block's unrouted window still holds frames made before the switch, so its context shows the
+            old motion while its prompt asks the new one).
 
     Returns:
         the :class:`RoutingPlan`.
@@ -204,30 +218,38 @@ def plan_routing(
     earliest = sink_frames + window_frames if min_fork_frame is None else _check_int("min_fork_frame",
                                                                                      min_fork_frame, 0)
     latest = num_frames if max_fork_frame is None else _check_int("max_fork_frame", max_fork_frame, 0)
+    if fork not in FORKS:
+        raise ValueError(f"fork={fork!r} is not one of {FORKS}")
     span = routed_blocks * block_frames
     starts = sorted(int(s) for s in segment_starts)
 
+    after = window_frames - block_frames  # fork="after_switch": forks whose window reaches back past a switch
+
     eligible: list[tuple[int, int, int]] = []
-    for fork in range(0, num_frames - span + 1, block_frames):
-        if fork < earliest or fork > latest or any(fork < s < fork + span for s in starts):
+    for f in range(0, num_frames - span + 1, block_frames):
+        if f < earliest or f > latest or any(f < s < f + span for s in starts):
+            continue
+        if fork == "after_switch" and not any(s <= f < s + max(after, 1) for s in starts if s > 0):
             continue
         lo = sink_frames
         if cache_frames is not None:
-            lo = max(lo, fork + span - block_frames - (cache_frames - sink_frames))
+            lo = max(lo, f + span - block_frames - (cache_frames - sink_frames))
         if recache:
-            switched = [s for s in starts if s <= fork]
+            switched = [s for s in starts if s <= f]
             if switched:  # CausalWan.recache_start of the latest switch: earlier non-sink frames were dropped
                 lo = max(lo, min(sink_frames, switched[-1]), switched[-1] + block_frames - window_frames)
-        hi = fork + block_frames - window_frames if outside_window else fork - nearest_m
+        hi = f + block_frames - window_frames if outside_window else f - nearest_m
         if hi - lo >= n:
-            eligible.append((fork, lo, hi))
+            eligible.append((f, lo, hi))
     if not eligible:
         raise ValueError(
             f"no eligible fork for routed_blocks={routed_blocks} in {num_frames} frames: a fork needs its "
             f"{span} routed frames inside the stream and one segment, fork >= {earliest}"
             + (f", fork <= {latest}" if max_fork_frame is not None else "")
+            + (f", within {max(after, 1)} frames after a segment start of {starts} (fork=after_switch)"
+               if fork == "after_switch" else "")
             + f", and a pool of >= {n} older frames (window_frames={window_frames}, nearest_m={nearest_m}, "
-            f"cache_frames={cache_frames}, outside_window={outside_window})")
+            f"cache_frames={cache_frames}, outside_window={outside_window}, recache={recache})")
 
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(iteration), int(prompt_index)]))
     fork, lo, hi = eligible[int(rng.integers(len(eligible)))]
