@@ -32,19 +32,23 @@ def save_tiny_clip(path: Path) -> Path:
 
 
 def _run_then_leave_the_group(fn, *args) -> None:
-    """``fn(*args)`` in a launched process, then the process group torn down: a process that exits with its gloo group
-    alive can abort in the backend's teardown (SIGABRT, "terminate called without an active exception") after its
-    work is done, which fails the launch now and then. After a clean return the processes meet first, so none
-    leaves while a peer is still inside the last collective."""
+    """``fn(*args)`` in a launched process, then a clean exit that skips the interpreter's teardown. A process that
+    leaves with its gloo group alive, or that tears the group down itself, can abort in the backend's C++ teardown
+    (SIGABRT, "terminate called without an active exception") after its work is done: it failed a launch now and then,
+    once even after ``destroy_process_group``. After a clean return the processes meet first, so none leaves while a
+    peer is still inside the last collective, and then each ends with ``os._exit(0)``: no destructor left to abort.
+    An exception still propagates (the launcher reports its traceback)."""
+    import os
+    import sys
+
     import torch.distributed as dist
 
-    try:
-        fn(*args)
-        if dist.is_initialized():
-            dist.barrier()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    fn(*args)
+    if dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_processes(fn, *args, num_processes: int = 2) -> None:
