@@ -9,7 +9,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["prepare_trainable", "lora_targets", "reference_policy", "EMA", "gathers_state", "trainable_state",
+__all__ = ["prepare_trainable", "lora_targets", "reference_policy", "EMA", "gathers_state", "trainable_names", "trainable_state",
            "load_trainable_state", "optimizer_state", "load_optimizer_state", "ALL_LINEAR"]
 
 #: ``model.lora.target_modules`` entry meaning every linear layer of the transformer's blocks (:func:`lora_targets`)
@@ -92,7 +92,9 @@ def gathers_state(accelerator) -> bool:
     return False
 
 
-def _trainable_names(transformer: torch.nn.Module) -> list[str]:
+def trainable_names(transformer: torch.nn.Module) -> list[str]:
+    """The names of the parameters training updates, in ``named_parameters`` order (the order of checkpoints and of
+    the update guard's copies)."""
     return [n for n, p in transformer.named_parameters() if p.requires_grad]
 
 
@@ -109,13 +111,13 @@ def trainable_state(transformer: torch.nn.Module, *, gather: bool = False) -> di
     full = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
                                                                       ignore_frozen_params=True))
     # (clones: on CPU the gathered tensors can share storage that FSDP frees afterwards)
-    return {n: full[n].clone() for n in _trainable_names(transformer)} if full else {}
+    return {n: full[n].clone() for n in trainable_names(transformer)} if full else {}
 
 
 def load_trainable_state(transformer: torch.nn.Module, state: dict[str, torch.Tensor], *, gather: bool = False) -> None:
     """Copy ``state`` (full tensors, as :func:`trainable_state` returns) into the trainable parameters; with
     ``gather=True`` each rank keeps its shard of them (a collective: every rank passes the full state)."""
-    names = _trainable_names(transformer)
+    names = trainable_names(transformer)
     if set(names) != state.keys():
         missing, extra = set(names) - state.keys(), state.keys() - set(names)
         raise ValueError(f"checkpoint does not match the trainable parameters (missing {sorted(missing)[:3]}, "
@@ -153,7 +155,7 @@ def load_optimizer_state(transformer: torch.nn.Module, optimizer: torch.optim.Op
     """Load what :func:`optimizer_state` returned, with or without ``gather``, into this run's optimizer (sharded
     under FSDP with ``gather=True``: a collective). The optimizer must hold the trainable parameters in
     ``named_parameters`` order (:func:`prepare_trainable`'s), which maps torch's integer keys to names."""
-    names = _trainable_names(transformer)
+    names = trainable_names(transformer)
     by_name = any(isinstance(k, str) for g in state["param_groups"] for k in g["params"])
     if gather:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

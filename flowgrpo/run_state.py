@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 from .checkpoint import (CheckpointManager, atomic_write_text, capture_rng_state, find_runs, restore_rng_state,
                          resume_config_changes, save_lora_weights, save_transformer_weights)
 from .finetune import (gathers_state, load_optimizer_state, load_trainable_state, optimizer_state, torch_optimizer,
-                       trainable_state)
+                       trainable_names, trainable_state)
 from .runlog import log
 
 __all__ = ["RunState"]
@@ -260,7 +260,7 @@ class RunState:
     def _weights_from_step_copy(self, before: dict) -> dict[str, Any]:
         """:meth:`_weights_state`'s layout built from the update guard's host copies (``Guards._pre_step_copy``):
         ``trainable`` by parameter name, ``optimizer`` in ``torch.optim.Optimizer.state_dict`` form."""
-        names = [n for n, p in self.unwrapped.named_parameters() if p.requires_grad]
+        names = trainable_names(self.unwrapped)
         if len(names) != len(before["params"]):
             raise RuntimeError(f"the update guard copied {len(before['params'])} tensors for {len(names)} trained "
                                "parameters")

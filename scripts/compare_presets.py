@@ -54,10 +54,12 @@ def run(arm: str, seed: int, runs: Path, extra: list[str], metrics: list[str], *
         start = time.time()
         cmd = [sys.executable, str(REPO / "train.py"), *command_overrides(arm, preset, extra), f"trainer.seed={seed}",
                f"hydra.run.dir={out}", *([f"trainer.resume={out}"] if resume else [])]
-        with open(runs / f"{arm}_seed{seed}.log", "a" if resume else "w") as log:
-            returncode = _run_forwarding_signals(cmd, log)
-        out.mkdir(parents=True, exist_ok=True)
-        clock.write_text(json.dumps({"seconds": spent + time.time() - start}))
+        try:
+            with open(runs / f"{arm}_seed{seed}.log", "a" if resume else "w") as log:
+                returncode = _run_forwarding_signals(cmd, log)
+        finally:  # a signal that stops the run still leaves its clock, so a resumed run adds to it
+            out.mkdir(parents=True, exist_ok=True)
+            clock.write_text(json.dumps({"seconds": spent + time.time() - start}))
         if returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed (exit {returncode}); see {runs / f'{arm}_seed{seed}.log'}")
         if not _finished(summary):

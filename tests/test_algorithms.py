@@ -494,6 +494,20 @@ def test_every_algorithm_runs_with_the_default_sampler_and_its_schema_defaults(h
     _check_plan(cfg, algo, None)
 
 
+@pytest.mark.parametrize("option", ["kvpo", "kvpo_awm"])
+def test_kvpo_banner_names_where_it_forks_what_the_local_reward_scores_and_the_std_floor(hydra_compose, option):
+    """The run's banner line says which fork placement, local reward and advantage floor the branches train with:
+    runs that differ only there must not print the same description."""
+    base = ["model=causal_wan_shapes", f"algo={option}"]
+    changed = [*base, "algo.fork=after_switch", "algo.local_reward=blocks", "algo.adv_std_floor=0.02"]
+    lines = []
+    for overrides in (base, changed):
+        cfg = hydra_compose(overrides)
+        lines.append(build_algorithm(cfg.algo, cfg.sampler, build_sampler(cfg.sampler).sigmas).describe())
+    assert "fork anywhere" in lines[0] and "(segment)" in lines[0] and "std floor 0)" in lines[0]
+    assert "fork after_switch" in lines[1] and "(blocks)" in lines[1] and "std floor 0.02)" in lines[1]
+
+
 def test_algorithm_options_are_the_registry():
     assert set(ALGO_OPTIONS) == set(ALGORITHMS)
     cs = ConfigStore.instance().repo["algo"]

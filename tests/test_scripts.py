@@ -441,6 +441,28 @@ def test_compare_presets_continues_a_stopped_run_from_its_checkpoint(tmp_path, m
                       "--metrics", "eval/strict"])
 
 
+def test_compare_presets_keeps_the_clock_of_a_run_a_signal_stopped(tmp_path, monkeypatch):
+    """A signal that stops a run part-way still leaves its wall clock (the time already spent plus this attempt's), so
+    the resumed run reports the time of both attempts, not of the last one alone."""
+    compare = load_script("compare_presets")
+    runs = tmp_path / "runs"
+    d = runs / "a_seed0"
+    (d / "checkpoints").mkdir(parents=True)
+    (d / "checkpoints" / "latest").write_text("checkpoint-000050")
+    (d / "summary.json").write_text(json.dumps({"stopped": "stop requested; finished the iteration"}))
+    (d / "wall_clock.json").write_text(json.dumps({"seconds": 100.0}))
+
+    def stopped_by_a_signal(cmd, log):
+        time.sleep(0.2)
+        raise SystemExit("stopped by signal 15: the run checkpointed (exit 0); run the same command again")
+
+    monkeypatch.setattr(compare, "_run_forwarding_signals", stopped_by_a_signal)
+    with pytest.raises(SystemExit, match="run the same command again"):
+        compare.main(["--arms", "a", "--seeds", "0", "--runs", str(runs), "--out", str(tmp_path / "cmp"),
+                      "--metrics", "eval/strict"])
+    assert json.loads((d / "wall_clock.json").read_text())["seconds"] >= 100.2
+
+
 def test_compare_presets_arms_share_a_preset_with_their_own_overrides_and_report_training_quarters(tmp_path, monkeypatch):
     """``name=preset`` arms run the preset with ``--set`` and their own ``--arm-set`` overrides; training keys are
     reported as first- and last-quarter means; an ``--arm-set`` for an unknown arm is refused."""

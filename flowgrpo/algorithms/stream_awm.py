@@ -60,7 +60,7 @@ from .base import Algorithm, Batch, Scores, UpdateContext
 from .losses import keyed_noise, renoise
 from .old_policy import OldPolicy
 
-__all__ = ["StreamAWMConfig", "StreamAWM", "stratified_sigmas", "sigma_cdf", "schedule_shift", "segment_advantages"]
+__all__ = ["StreamAWMConfig", "StreamAWM", "StreamingTrustRegion", "stratified_sigmas", "sigma_cdf", "schedule_shift", "segment_advantages"]
 
 ADVANTAGES = ("stream", "segment", "stream+segment")
 
@@ -150,7 +150,29 @@ def segment_advantages(components: dict[str, torch.Tensor], segments: torch.Tens
     return out
 
 
-class StreamAWM(EMATrustRegion, Algorithm):
+class StreamingTrustRegion(EMATrustRegion):
+    """What every teacher-forced streaming update shares (streaming AWM, KVPO's branches trained by it): the noise
+    levels' shift read off the model's block schedule (or ``algo.shift``), the EMA trust-region centre, and the
+    config checks that go with them."""
+
+    def __init__(self, base_sigmas: torch.Tensor, **kwargs) -> None:
+        super().__init__(base_sigmas, **kwargs)
+        self.time_shift = float(self.cfg.shift) if self.cfg.shift is not None else schedule_shift(self.base_sigmas)
+        self.ema = OldPolicy()  # θ_ema, the trust-region centre
+
+    @classmethod
+    def check_config(cls, algo_cfg, sampler_cfg) -> list[str]:
+        errors = super().check_config(algo_cfg, sampler_cfg)
+        if algo_cfg.cfg_in_training:
+            errors.append(f"algo.cfg_in_training=true: the teacher-forced update of algo={cls.name} fits the "
+                          "conditional velocity (no guidance); set algo.cfg_in_training=false")
+        if algo_cfg.shift is None and sampler_cfg.num_steps < 2:
+            errors.append("algo.shift=null reads the model's shift off its block schedule, which one step "
+                          "(sampler.num_steps=1) does not show: set algo.shift to model.stream.shift")
+        return errors
+
+
+class StreamAWM(StreamingTrustRegion, Algorithm):
     """Streaming AWM (see the module docstring).
 
     Args:
@@ -163,24 +185,13 @@ class StreamAWM(EMATrustRegion, Algorithm):
     config_class = StreamAWMConfig
     streaming = True
 
-    def __init__(self, base_sigmas: torch.Tensor, **kwargs) -> None:
-        super().__init__(base_sigmas, **kwargs)
-        self.time_shift = float(self.cfg.shift) if self.cfg.shift is not None else schedule_shift(self.base_sigmas)
-        self.ema = OldPolicy()  # θ_ema, the trust-region centre
-
     @classmethod
     def check_config(cls, algo_cfg, sampler_cfg) -> list[str]:
         errors = []
         if sampler_cfg.kernel != "cps":
             errors.append(f"algo=stream_awm rolls out with the streaming sampler, the cps kernel: "
                           f"sampler.kernel={sampler_cfg.kernel!r} must be 'cps' (sampler=stream)")
-        if algo_cfg.cfg_in_training:
-            errors.append("algo.cfg_in_training=true: the teacher-forced update of algo=stream_awm fits the "
-                          "conditional velocity (no guidance); set algo.cfg_in_training=false")
-        if algo_cfg.shift is None and sampler_cfg.num_steps < 2:
-            errors.append("algo.shift=null reads the model's shift off its block schedule, which one step "
-                          "(sampler.num_steps=1) does not show: set algo.shift to model.stream.shift")
-        return errors
+        return errors + super().check_config(algo_cfg, sampler_cfg)
 
     # ------------------------------------------------------------------------------------------ phase 1
     def plan(self, num_prompts: int, group_size: int, *, generator: torch.Generator | None = None):

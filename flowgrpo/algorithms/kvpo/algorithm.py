@@ -383,8 +383,8 @@ class KVPO(Algorithm):
     def describe(self) -> str:
         c = self.cfg
         return (f"kvpo (KVPO): {self.num_chunks} blocks × {self.num_steps} steps; groups of branches + 1 reference "
-                f"run with shared noise, {c.routed_blocks} routed blocks (nearest {c.nearest_m}), TVE replay of "
-                f"{c.replay_blocks or c.routed_blocks} blocks (gradient through {c.grad_steps} steps each), clip "
-                f"[{1 - c.clip_low:g}, {1 + c.clip_high:g}], KL to the initial policy {c.kl_beta:g}, advantages "
-                f"local {c.w_local:g} + global {c.w_global:g} (clip ±{c.adv_clip:g}), old policy synced every "
-                f"{c.old_sync_every} iterations")
+                f"run with shared noise, {c.routed_blocks} routed blocks (nearest {c.nearest_m}, fork {c.fork}), TVE "
+                f"replay of {c.replay_blocks or c.routed_blocks} blocks (gradient through {c.grad_steps} steps each), "
+                f"clip [{1 - c.clip_low:g}, {1 + c.clip_high:g}], KL to the initial policy {c.kl_beta:g}, advantages "
+                f"local ({c.local_reward}) {c.w_local:g} + global {c.w_global:g} (clip ±{c.adv_clip:g}, std floor "
+                f"{c.adv_std_floor:g}), old policy synced every {c.old_sync_every} iterations")

@@ -39,11 +39,10 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ...knobs import knob
-from ..awm import WEIGHTINGS, EMATrustRegion, awm_objective, scaled_advantages
+from ..awm import WEIGHTINGS, awm_objective, scaled_advantages
 from ..base import Batch, UpdateContext
 from ..losses import keyed_noise, renoise
-from ..old_policy import OldPolicy
-from ..stream_awm import schedule_shift, stratified_sigmas
+from ..stream_awm import StreamingTrustRegion, stratified_sigmas
 from .algorithm import KVPO, BranchingConfig
 from .routing import route_fn
 
@@ -70,7 +69,7 @@ class KVPOAWMConfig(BranchingConfig):
     group_noise: bool = False
 
 
-class KVPOAWM(EMATrustRegion, KVPO):
+class KVPOAWM(StreamingTrustRegion, KVPO):
     """KVPO's routed branches with streaming AWM's update (see the module docstring).
 
     Args:
@@ -82,22 +81,6 @@ class KVPOAWM(EMATrustRegion, KVPO):
     name = "kvpo_awm"
     config_class = KVPOAWMConfig
     streaming = True
-
-    def __init__(self, base_sigmas: torch.Tensor, **kwargs) -> None:
-        super().__init__(base_sigmas, **kwargs)
-        self.time_shift = float(self.cfg.shift) if self.cfg.shift is not None else schedule_shift(self.base_sigmas)
-        self.ema = OldPolicy()  # θ_ema, the trust-region centre
-
-    @classmethod
-    def check_config(cls, algo_cfg, sampler_cfg) -> list[str]:
-        errors = super().check_config(algo_cfg, sampler_cfg)
-        if algo_cfg.cfg_in_training:
-            errors.append("algo.cfg_in_training=true: the teacher-forced update of algo=kvpo_awm fits the "
-                          "conditional velocity (no guidance); set algo.cfg_in_training=false")
-        if algo_cfg.shift is None and sampler_cfg.num_steps < 2:
-            errors.append("algo.shift=null reads the model's shift off its block schedule, which one step "
-                          "(sampler.num_steps=1) does not show: set algo.shift to model.stream.shift")
-        return errors
 
     def rollout_guidance(self) -> bool:
         """The branches stream with the run's guidance, as KVPO's do (the teacher-forced loss fits the conditional
@@ -161,6 +144,6 @@ class KVPOAWM(EMATrustRegion, KVPO):
         return (f"kvpo_awm (KVPO's routed branches, streaming AWM's update): {self.num_chunks} blocks × "
                 f"{self.num_steps} steps; groups of branches + 1 reference run with shared noise, {c.routed_blocks} "
                 f"routed blocks (nearest {c.nearest_m}, fork {c.fork}), advantages local ({c.local_reward}) "
-                f"{c.w_local:g} + global {c.w_global:g} (clip ±{c.adv_clip:g}) scaled to ±{c.advantage_max:g}; AWM "
+                f"{c.w_local:g} + global {c.w_global:g} (clip ±{c.adv_clip:g}, std floor {c.adv_std_floor:g}) scaled to ±{c.advantage_max:g}; AWM "
                 f"on the blocks from the fork under each branch's routes, {c.weighting} weighting, EMA trust region "
                 f"{c.ema_kl_beta:g} (decay cap {c.ema_kl_decay:g}), KL weight {c.kl_beta:g}")
