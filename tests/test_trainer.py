@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from omegaconf import DictConfig
 
 import flowgrpo.config  # noqa: F401  (registers the schemas)
 from twins import run_processes  # tests/twins.py
-from flowgrpo.trainer import Trainer
+from flowgrpo.trainer import Trainer, train_scalars
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -304,6 +305,45 @@ def test_lora_checkpoint_loads_with_load_lora_weights(tmp_path):
     torch.testing.assert_close(after, sample(trained), atol=1e-5, rtol=1e-5)
 
 
+def _on_two_processes(infos0, infos1):
+    """``train_scalars`` as rank 0 of 2 processes computes it, the gather handing it rank 1's packed tensor too."""
+    sent = []
+    train_scalars(infos1, gather=lambda packed: sent.append(packed) or packed[None])
+    return train_scalars(infos0, gather=lambda packed: torch.stack([packed, sent[0]]))
+
+
+def test_train_scalars_are_the_global_batch_s_means_and_one_process_s_are_its_plain_means():
+    """Per micro-batch position, P processes' infos combine as one process's micro-batch with all their samples
+    would (mean; max / min for ``*_max`` / ``*_min``), keys absent at a position (``grad_norm`` off the optimizer
+    step) skipped; then the mean over positions. One process: the plain mean of its infos, to the last bit."""
+    rank0 = [{"loss": 1.0, "margin": 0.1, "ratio_max": 1.2, "ratio_min": 0.9},
+             {"loss": 3.0, "margin": 0.3, "ratio_max": 1.1, "ratio_min": 0.8, "grad_norm": 0.5}]
+    rank1 = [{"loss": 5.0, "margin": 0.4, "ratio_max": 1.5, "ratio_min": 0.7},
+             {"ratio_min": 0.95, "ratio_max": 1.0, "loss": 7.0, "margin": 0.2, "grad_norm": 0.5}]  # another key order
+    one = train_scalars(rank0)
+    assert one == pytest.approx({"loss": 2.0, "margin": 0.2, "ratio_max": 1.15, "ratio_min": 0.85, "grad_norm": 0.5})
+    assert list(one) == ["loss", "margin", "ratio_max", "ratio_min", "grad_norm"]  # first-seen order, as logged
+    two = _on_two_processes(rank0, rank1)
+    assert two == pytest.approx({"loss": 4.0, "margin": 0.25, "ratio_max": (1.5 + 1.1) / 2,
+                                 "ratio_min": (0.7 + 0.8) / 2, "grad_norm": 0.5})
+    assert list(two) == list(one)
+    # a key some positions lack on some processes: count-weighted where it is, positions without it skipped
+    kl0, kl1 = [{"loss": 0.0, "kl": 1.0}, {"loss": 0.0}], [{"loss": 0.0, "kl": 3.0}, {"loss": 0.0, "kl": 6.0}]
+    assert _on_two_processes(kl0, kl1)["kl"] == pytest.approx(((1.0 + 3.0) / 2 + 6.0) / 2)
+    # a non-finite value is logged as such, not skipped as missing
+    assert math.isnan(_on_two_processes([{"loss": float("nan")}], [{"loss": 1.0}])["loss"])
+    assert _on_two_processes([{"ratio_max": math.inf}], [{"ratio_max": 2.0}])["ratio_max"] == math.inf
+    # one process: exactly Python's in-order mean (what it logged before there was a reduction)
+    gen = torch.Generator().manual_seed(0)
+    infos = [{"loss": float(x), "grad_norm": float(x) ** 2} if i % 3 == 2 else {"loss": float(x)}
+             for i, x in enumerate(torch.randn(50, generator=gen, dtype=torch.float64) * 1e3)]
+    losses, norms = [i["loss"] for i in infos], [i["grad_norm"] for i in infos if "grad_norm" in i]
+    assert train_scalars(infos) == {"loss": sum(losses) / len(losses), "grad_norm": sum(norms) / len(norms)}
+    # processes that disagree on the keys (or the number of micro-batches) fail loudly instead of mixing keys up
+    with pytest.raises(RuntimeError, match="same keys on every process"):
+        _on_two_processes([{"loss": 0.0, "kl": 1.0}], [{"loss": 0.0, "margin": 1.0}])
+
+
 def _corner_brightness(images, prompts, metadata=None):
     """A reward continuous in the pixels (JPEG sizes jump by a byte on float-order noise; this does not), read from
     one corner (a quarter of each side): the whole image's mean brightness barely differs between a group's ODE
@@ -358,6 +398,13 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, al
         # advantages divide the within-group spread of the reward, which magnifies that float-order noise (the reason for a corner: see _corner_brightness)
         assert h1["adv/adv_abs_mean"] == pytest.approx(h2["adv/adv_abs_mean"], rel=1e-4)
         assert h1["train/grad_norm"] == pytest.approx(h2["train/grad_norm"], rel=1e-3)
+        # every train/* scalar is the whole global batch's on 2 processes, not rank 0's half (DGPO's train/margin
+        # read 0.077 against 0.227 so): grad_norm's bound, for the same float-order noise; abs for the GRPO family's
+        # on-policy loss, -mean(A·ρ) with ρ = 1 and zero-mean advantages, which is that noise alone (~3e-7)
+        train = sorted(k for k in h1 if k.startswith("train/"))
+        assert train == sorted(k for k in h2 if k.startswith("train/")) and "train/policy_loss" in train
+        for key in train:
+            assert h1[key] == pytest.approx(h2[key], rel=1e-3, abs=1e-6), key
     ref = trainable(one)
     assert ref.keys() == two["params"].keys()
     moved = max(float((ref[n] - start[n]).abs().max()) for n in ref)
