@@ -27,7 +27,6 @@ import json
 import math
 import time
 import warnings
-import zlib
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -51,8 +50,9 @@ from .run_state import RunState
 from .runlog import log, run_log
 from .seeding import ORDER_STREAM, PROMPTS_STREAM
 from .seeding import seeded_generator as _gen
+from .train_metrics import train_scalars
 
-__all__ = ["Trainer", "Batch", "TrainerContext", "NonFiniteError", "degenerate_flags", "train_scalars"]
+__all__ = ["Trainer", "Batch", "TrainerContext", "NonFiniteError", "degenerate_flags"]
 
 
 class Trainer(RunState, HeldOut, Guards):
@@ -373,8 +373,7 @@ class Trainer(RunState, HeldOut, Guards):
         return torch.gather(steps, 1, order)
 
     def update(self, batch: Batch, iteration: int) -> dict[str, float]:
-        """The algorithm's loss over micro-batches × trained steps; one ``accelerate.accumulate`` spans them. Returns
-        the ``train/*`` scalars of the whole global batch, every process's loss infos together (:func:`train_scalars`)."""
+        """The algorithm's loss over micro-batches × trained steps (one ``accelerate.accumulate`` spans them)."""
         t = self.cfg.trainer
         micro = self.batch.train_micro_batch
         n = len(batch.prompts)
@@ -423,9 +422,8 @@ class Trainer(RunState, HeldOut, Guards):
                     info["loss"] = float(loss.detach())
                     infos.append(info)
         self.adapter.transformer.eval()
-        # the whole global batch's, not this process's share: one gather of every process's infos (train_scalars)
-        gather = None if self.world == 1 else (
-            lambda packed: self.acc.gather(packed.to(self.device)).view(self.world, -1).cpu())
+        # the whole global batch's train/* scalars, not this process's share: every process's infos gathered
+        gather = None if self.world == 1 else lambda t: self.acc.gather(t.to(self.device)).view(self.world, -1).cpu()
         out = {f"train/{k}": v for k, v in train_scalars(infos, gather).items()}
         out["train/lr"] = self.lr_scheduler.get_last_lr()[0]
         out["train/skipped_updates"] = self.skipped_updates
@@ -552,56 +550,3 @@ class Trainer(RunState, HeldOut, Guards):
                 lines.append(f"  checkpoint: {checkpoint}")
             log.info("\n".join(lines))
         return summary
-
-
-def train_scalars(infos: list[dict[str, float]], gather=None) -> dict[str, float]:
-    """An iteration's ``train/*`` scalars (without the prefix) from the loss infos of its micro-batches, over the
-    global batch: ``infos[i]`` is what this process logged at the ``i``-th micro-batch × trained step it ran.
-
-    One process logs, per key, the mean over the positions that have it (``grad_norm`` only where the optimizer
-    stepped). Processes run the same positions in lockstep, and the ``i``-th micro-batches of all processes hold the
-    samples of one process's ``i``-th micro-batch with the same global batch (B/P samples each, prompts dealt
-    round-robin; exactly so when a micro-batch holds whole groups). So on P processes a key's value at a position is
-    the mean over the processes that have it there — or, for a key named ``*_max`` / ``*_min`` (a micro-batch's
-    extreme, e.g. ``ratio_max``), their max / min — and the iteration's value is again the mean over positions: what
-    one process with the whole batch logs, not P times fewer micro-batches' worth. A NaN or inf value propagates.
-
-    Args:
-        infos: this process's loss infos, in the order run; every process runs as many and logs the same keys
-            (which ones may depend on the position, not on the process's samples).
-        gather: on P > 1 processes, ``[L] -> [P, L]``: every process's copy of a float64 tensor, in rank order, on
-            the host (one collective); ``None`` on one process.
-
-    Returns:
-        ``{key: value}`` in the order the keys first appear in ``infos``.
-    """
-    keys = list(dict.fromkeys(k for info in infos for k in info))
-    layout = sorted(keys)  # the tensor's rows: the same on every process whatever order the keys came in
-    values = torch.zeros(len(layout), len(infos), dtype=torch.float64)
-    present = torch.zeros_like(values)
-    for i, info in enumerate(infos):
-        for r, k in enumerate(layout):
-            if k in info:
-                values[r, i], present[r, i] = float(info[k]), 1.0
-    # what each process must agree on: the key set and the number of positions (checked after the gather)
-    shape = torch.tensor([len(layout), len(infos), zlib.crc32("\n".join(layout).encode())], dtype=torch.float64)
-    packed = torch.cat([values.flatten(), present.flatten(), shape])
-    stacked = packed[None] if gather is None else gather(packed)
-    if not torch.equal(stacked[:, -3:], shape.expand(len(stacked), 3)):
-        raise RuntimeError(f"the processes logged different loss-info keys or numbers of micro-batches this iteration "
-                           f"(this one: {len(infos)} micro-batches, keys {layout}); Algorithm.loss must return the "
-                           "same keys on every process, whatever its samples")
-    n = values.numel()
-    values, present = stacked[:, :n].view(-1, *values.shape), stacked[:, n:2 * n].view(-1, *values.shape).bool()
-    count = present.sum(0)
-    mean = torch.where(present, values, 0.0).sum(0) / count  # NaN where no process has the key: skipped below
-    peak = {"max": torch.where(present, values, -math.inf).amax(0), "min": torch.where(present, values, math.inf).amin(0)}
-    out = {}
-    for k in keys:
-        r = layout.index(k)
-        kind = k.rsplit("_", 1)[-1]
-        per_position = (peak[kind] if kind in peak else mean)[r].tolist()
-        # a Python sum in the order run: one process's value is the plain mean of its infos, to the last bit
-        kept = [v for v, c in zip(per_position, count[r].tolist()) if c > 0]
-        out[k] = sum(kept) / len(kept)
-    return out

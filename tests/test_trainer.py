@@ -18,7 +18,8 @@ from omegaconf import DictConfig
 
 import flowgrpo.config  # noqa: F401  (registers the schemas)
 from twins import run_processes  # tests/twins.py
-from flowgrpo.trainer import Trainer, train_scalars
+from flowgrpo.train_metrics import train_scalars
+from flowgrpo.trainer import Trainer
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -309,7 +310,8 @@ def _on_two_processes(infos0, infos1):
     """``train_scalars`` as rank 0 of 2 processes computes it, the gather handing it rank 1's packed tensor too."""
     sent = []
     train_scalars(infos1, gather=lambda packed: sent.append(packed) or packed[None])
-    return train_scalars(infos0, gather=lambda packed: torch.stack([packed, sent[0]]))
+    calls = iter(sent)  # rank 1's tensors, in the order its collectives ran
+    return train_scalars(infos0, gather=lambda packed: torch.stack([packed, next(calls)]))
 
 
 def test_train_scalars_are_the_global_batch_s_means_and_one_process_s_are_its_plain_means():

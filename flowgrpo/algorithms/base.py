@@ -503,7 +503,7 @@ class Algorithm:
         Returns:
             ``(loss, info)``: a 0-d tensor to backpropagate, and scalars to log (floats or 0-d tensors) as
             ``train/<key>``: the trainer logs each key's mean over the iteration's micro-batches on every process
-            (:func:`flowgrpo.trainer.train_scalars`), a key ending in ``_max`` / ``_min`` being a micro-batch's
+            (:func:`flowgrpo.train_metrics.train_scalars`), a key ending in ``_max`` / ``_min`` being a micro-batch's
             extreme. Which keys appear may depend on the config and the step, not on a process's samples.
         """
         raise NotImplementedError
