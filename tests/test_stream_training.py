@@ -46,8 +46,7 @@ def test_the_adapter_rollout_is_the_streaming_pipeline():
     from diffusers.utils.torch_utils import randn_tensor
 
     from flowgrpo.models import StreamAdapter, StreamingWanPipeline
-    from flowgrpo.models.stream_adapter import stream_sde_mask
-    from samplers import chunked_rollout
+    from samplers import chunked_rollout, stream_sde_mask
 
     pipe = StreamingWanPipeline.from_pretrained(str(ASSET))
     adapter = StreamAdapter(pipe)
@@ -103,8 +102,7 @@ def test_held_out_streams_keep_no_block_context():
     import weakref
 
     from flowgrpo.models import StreamAdapter, StreamingWanPipeline
-    from flowgrpo.models.stream_adapter import stream_sde_mask
-    from samplers import chunked_rollout
+    from samplers import chunked_rollout, stream_sde_mask
 
     adapter = StreamAdapter(StreamingWanPipeline.from_pretrained(str(ASSET)))
     c = adapter.config
