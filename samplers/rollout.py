@@ -4,15 +4,14 @@ recording every state and the exact log-probability of every stochastic transiti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from .solvers import dpm_solver_2m_step
 from .steps import ode_step, sde_step
 
-__all__ = ["Trajectory", "ChunkedTrajectory", "RaggedTrajectory", "rollout", "chunked_rollout", "ragged_rollout", "SOLVERS",
-           "sde_bounds"]
+__all__ = ["Trajectory", "RaggedTrajectory", "rollout", "ragged_rollout", "SOLVERS", "sde_bounds"]
 
 SOLVERS = ("euler", "dpm++2m")
 VelocityFn = Callable[[torch.Tensor, float], torch.Tensor]
@@ -76,6 +75,7 @@ def rollout(
     noise_level: float = 0.7,
     solver: str = "euler",
     generator: torch.Generator | list[torch.Generator] | None = None,
+    step_noise: torch.Tensor | None = None,
 ) -> Trajectory:
     """Sample a batch of trajectories (no grad).
 
@@ -88,6 +88,10 @@ def rollout(
             after a sample's last SDE step (MixGRPO-Flash); steps before it stay Euler, so the trained
             transitions are unchanged. The first DPM step after an SDE step has no history across the
             stochastic jump and is first order.
+        generator: the SDE steps draw their noise from it (a list: row ``b`` from ``generator[b]`` alone).
+        step_noise: instead of a generator, the draws themselves: ``[B, T', ...]`` standard normal, step ``i``
+            using ``step_noise[:, i]`` on its SDE rows (the same arithmetic as a generator's draw). ``T' ≤ T``: the
+            steps from ``T'`` on must be deterministic (a stream's final jump to σ = 0 needs no draw).
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown ODE solver {solver!r}; choose one of {SOLVERS}")
@@ -102,6 +106,8 @@ def rollout(
     if isinstance(generator, (list, tuple)) and len(generator) != batch:
         raise ValueError(f"got {len(generator)} generators for a batch of {batch}")
     mask = _normalise_mask(sde_mask, batch, steps, device)
+    if step_noise is not None:
+        _check_step_noise(step_noise, noise, mask, generator)
     steps_idx = torch.arange(steps, device=device)
     last_sde = sde_bounds(mask)[1]  # DPM-Solver++ runs only after a row's last SDE step
 
@@ -129,13 +135,16 @@ def rollout(
                     dpm = dpm_first
                 out = torch.where(_rows(use_dpm, x), dpm, out)
             prev_x0 = x0
+        eps = None if step_noise is None or i >= step_noise.shape[1] else step_noise[:, i]
         if row_sde.all():
-            step = sde_step(v, x, sigma, sigma_next, kernel=kernel, noise_level=noise_level, generator=generator)
+            step = sde_step(v, x, sigma, sigma_next, kernel=kernel, noise_level=noise_level, generator=generator,
+                            noise=eps)
             out, log_probs[:, i] = step.prev_sample, step.log_prob
         elif row_sde.any():
             rows = row_sde.nonzero().squeeze(1)
             gen = [generator[r] for r in rows.tolist()] if isinstance(generator, (list, tuple)) else generator
-            step = sde_step(v[rows], x[rows], sigma, sigma_next, kernel=kernel, noise_level=noise_level, generator=gen)
+            step = sde_step(v[rows], x[rows], sigma, sigma_next, kernel=kernel, noise_level=noise_level, generator=gen,
+                            noise=None if eps is None else eps[rows])
             out = out.clone()
             out[rows] = step.prev_sample
             log_probs[rows, i] = step.log_prob
@@ -144,97 +153,22 @@ def rollout(
     return Trajectory(latents=torch.stack(latents, dim=1), log_probs=log_probs, sde_mask=mask, sigmas=sigmas, nfe=steps)
 
 
+def _check_step_noise(step_noise: torch.Tensor, noise: torch.Tensor, mask: torch.Tensor, generator) -> None:
+    """``step_noise`` must be ``[B, T', ...]`` (``T' ≤ T``) like ``noise``, cover every SDE step, and come alone."""
+    if generator is not None:
+        raise ValueError("pass step_noise or a generator to draw the SDE noise from, not both")
+    batch, steps = mask.shape
+    drawn = step_noise.shape[1] if step_noise.ndim > 1 else -1
+    if step_noise.shape[:1] != noise.shape[:1] or step_noise.shape[2:] != noise.shape[1:] or not 0 <= drawn <= steps:
+        block = ", ".join(map(str, noise.shape[1:]))
+        raise ValueError(f"step_noise must be [B, T', ...] = ({batch}, ≤{steps}, {block}), "
+                         f"got {tuple(step_noise.shape)}")
+    if mask[:, drawn:].any():
+        raise ValueError(f"step_noise holds draws for the first {drawn} steps, but a later step is an SDE step")
+
+
 def _rows(row_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return row_mask.view(-1, *([1] * (like.ndim - 1)))
-
-
-@dataclass
-class ChunkedTrajectory:
-    """What a chunk-by-chunk (streaming) rollout records.
-
-    Attributes:
-        latents: ``[B, C, T+1, ...]``: every state of every chunk; ``latents[:, c, i]`` is chunk ``c`` at ``sigmas[i]``.
-        log_probs: ``[B, C, T]`` exact log π of each SDE transition (0 on ODE steps).
-        sde_mask: ``[B, C, T]`` bool.
-        sigmas: ``[T+1]`` the schedule each chunk was integrated on.
-        conds: ``C`` conditionings: ``conds[c]`` is what chunk ``c`` was denoised under (``conds[0]`` the initial one,
-            then each one written by ``commit_fn`` after the chunk before). With these the update rescores any
-            transition ``(b, c, i)`` exactly: ``velocity_fn(latents[b, c, i], sigmas[i], conds[c][b])``. What
-            ``keep_cond`` kept of each (``None`` where nothing, every entry with ``keep_cond=False``).
-        nfe: velocity calls per sample (``C · T``).
-    """
-
-    latents: torch.Tensor
-    log_probs: torch.Tensor
-    sde_mask: torch.Tensor
-    sigmas: torch.Tensor
-    conds: list[Any]
-    nfe: int
-
-    @property
-    def final(self) -> torch.Tensor:
-        """The clean chunks ``[B, C, ...]``."""
-        return self.latents[:, :, -1]
-
-
-@torch.no_grad()
-def chunked_rollout(
-    velocity_fn: Callable[[torch.Tensor, float, Any], torch.Tensor],
-    commit_fn: Callable[[torch.Tensor, Any], Any],
-    noise: torch.Tensor,
-    sigmas: torch.Tensor | Sequence[float],
-    sde_mask: torch.Tensor | Sequence[bool],
-    *,
-    cond: Any,
-    kernel: str = "flow_grpo",
-    noise_level: float = 0.7,
-    solver: str = "euler",
-    generator: torch.Generator | list[torch.Generator] | None = None,
-    keep_cond: bool | Callable[[int, Any], Any] = True,
-) -> ChunkedTrajectory:
-    """Stateful generation chunk by chunk (a streaming video model with a KV cache), no grad.
-
-    Chunk ``c`` is integrated from ``noise[:, c]`` over ``sigmas`` by :func:`rollout` with
-    ``velocity_fn(x, sigma, cond_c)``; then ``commit_fn(x0_c, cond_c) -> cond_{c+1}`` writes its clean result into the
-    model state (a separate no-grad pass, as a KV-cache write should be) for the chunks after it.
-
-    Args:
-        velocity_fn: ``velocity_fn(x, sigma, cond) -> v``.
-        commit_fn: ``commit_fn(x0, cond) -> cond'``: the conditioning of the next chunk. It must not modify ``cond``
-            in place: every chunk's conditioning is kept for rescoring.
-        noise: ``[B, C, ...]`` initial noise of every chunk.
-        sigmas: ``[T+1]`` schedule of each chunk.
-        sde_mask: bool ``[T]``, ``[C, T]`` or ``[B, C, T]``.
-        cond: the conditioning of the first chunk (indexable by rows, like the adapters' ``PromptEmbeds``).
-        kernel, noise_level, solver, generator: as :func:`rollout`; per-sample generators continue from chunk to
-            chunk.
-        keep_cond: what the trajectory keeps of chunk ``c``'s conditioning, ``keep_cond(c, cond)`` (``None``:
-            nothing); ``True`` all of it, ``False`` nothing. A streaming model's conditioning holds its KV cache, so
-            keeping every chunk's costs a cache per chunk: a sampler that needs only the samples keeps none, an
-            update that rescores some transitions keeps the rows and chunks it will read.
-    """
-    batch, chunks = noise.shape[:2]
-    sigmas = torch.as_tensor(sigmas, dtype=torch.float32).cpu()
-    steps = sigmas.shape[0] - 1
-    mask = torch.as_tensor(sde_mask, dtype=torch.bool, device=noise.device)
-    if mask.ndim == 1:
-        mask = mask.expand(chunks, steps)
-    if mask.ndim == 2:
-        mask = mask.unsqueeze(0).expand(batch, chunks, steps)
-    if mask.shape != (batch, chunks, steps):
-        raise ValueError(f"sde_mask must be [T], [C, T] or [B, C, T] = ({batch}, {chunks}, {steps}), "
-                         f"got {tuple(mask.shape)}")
-    latents, log_probs, conds = [], [], []
-    for c in range(chunks):
-        conds.append(cond if keep_cond is True else None if keep_cond is False else keep_cond(c, cond))
-        traj = rollout(lambda x, sigma, cond=cond: velocity_fn(x, sigma, cond), noise[:, c], sigmas, mask[:, c],
-                       kernel=kernel, noise_level=noise_level, solver=solver, generator=generator)
-        latents.append(traj.latents)
-        log_probs.append(traj.log_probs)
-        if c + 1 < chunks:
-            cond = commit_fn(traj.final, cond)
-    return ChunkedTrajectory(latents=torch.stack(latents, dim=1), log_probs=torch.stack(log_probs, dim=1),
-                             sde_mask=mask, sigmas=sigmas, conds=conds, nfe=chunks * steps)
 
 
 @dataclass

@@ -175,6 +175,7 @@ def sde_step(
     noise_level: float = 0.7,
     prev_sample: torch.Tensor | None = None,
     generator: torch.Generator | list[torch.Generator] | None = None,
+    noise: torch.Tensor | None = None,
 ) -> StepOutput:
     """One stochastic step ``σ → σ'`` and the exact log-density of its result.
 
@@ -187,6 +188,8 @@ def sde_step(
         prev_sample: if given, score this stored transition (training) instead of sampling.
         generator: RNG for the noise when sampling; a list gives one generator per sample (as diffusers'
             ``randn_tensor``), so a sample's noise does not depend on how the batch is split across processes.
+        noise: when sampling, the standard normal draw ``ε`` itself, ``[B, ...]`` (pre-drawn noise: branches given
+            the same tensor share their random numbers); ``x' = μ + std·ε`` as with a generator's draw.
 
     Returns:
         :class:`StepOutput`; gradients flow from ``log_prob`` and ``mean`` into ``velocity``.
@@ -202,7 +205,14 @@ def sde_step(
     mean = _bcast(a, x) * x + _bcast(b, x) * v
 
     if prev_sample is None:
-        noise = randn(x.shape, generator, x.device)
+        if noise is None:
+            noise = randn(x.shape, generator, x.device)
+        elif generator is not None:
+            raise ValueError("pass the noise or a generator to draw it from, not both")
+        elif noise.shape != x.shape:
+            raise ValueError(f"noise shape {tuple(noise.shape)} != sample shape {tuple(x.shape)}")
+        else:
+            noise = noise.to(device=x.device, dtype=torch.float32)
         prev_sample = mean.detach() + _bcast(std, x) * noise
     else:
         if prev_sample.shape != x.shape:

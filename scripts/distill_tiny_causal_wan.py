@@ -10,7 +10,8 @@ r"""Distil the guided 10-step streaming model into a guidance-free 4-step one: `
 steps per block, no classifier-free guidance, one forward per step. The teacher here
 (``assets/tiny-causal-wan-shapes``) samples 10 steps per block with guidance 4.5, two forwards a step. The student
 samples ``--student-steps`` (4) steps per block with the same sampler as the teacher (Self-Forcing's: predict the
-clean block, re-noise it with fresh noise to the next level; :func:`samplers.stream_rollout`) and guidance 1.
+clean block, re-noise it with fresh noise to the next level; :func:`samplers.chunked_rollout` with the ``cps``
+kernel at noise level 1) and guidance 1.
 
 **Targets: the teacher's flow map at the student's levels.** Regressing a guided multi-step sampler's outputs onto
 a few-step student works when each student input determines its target (CausVid's ODE-pair regression, arXiv
@@ -64,7 +65,7 @@ from flowgrpo.models.stream_adapter import StreamAdapter  # noqa: E402
 from flowgrpo.models.stream_pipeline import STREAM_CONFIG_NAME  # noqa: E402
 from flowgrpo.world.streams import STREAM_NUM_FRAMES, held_out_sequences, latent_segments, sample_stream_metadata, \
     sequence_key  # noqa: E402
-from samplers import stream_rollout, stream_sigmas  # noqa: E402
+from samplers import chunked_rollout, stream_sde_mask, stream_sigmas  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TEACHER = ROOT / "assets" / "tiny-causal-wan-shapes"
@@ -135,19 +136,17 @@ def teacher_chain(adapter: StreamAdapter, metas: list[dict], noise: torch.Tensor
 @torch.no_grad()
 def reference_chain(adapter: StreamAdapter, metas: list[dict], noise: torch.Tensor, renoise: torch.Tensor, *,
                     levels: torch.Tensor, guidance: float, num_frames: int, max_sequence_length: int) -> torch.Tensor:
-    """A model's own sampler (:func:`samplers.stream_rollout` on the adapter's blocks): the clean blocks
-    ``[B, K, C, F, h, w]``."""
-    state = {"cond": adapter.encode_prompts([m["prompt"] for m in metas], "", guidance_scale=guidance,
-                                            max_sequence_length=max_sequence_length, metadata=metas,
-                                            num_frames=num_frames)}
+    """A model's own sampler (:func:`samplers.chunked_rollout` on the adapter's blocks, Self-Forcing's: ``cps`` at
+    noise level 1 over ``levels`` and 0): the clean blocks ``[B, K, C, F, h, w]``."""
+    cond = adapter.encode_prompts([m["prompt"] for m in metas], "", guidance_scale=guidance,
+                                  max_sequence_length=max_sequence_length, metadata=metas, num_frames=num_frames)
 
-    def velocity(x, sigma, _k):
-        return adapter.velocity(x, sigma, state["cond"], guidance_scale=guidance)
+    def velocity(x, sigma, cond):
+        return adapter.velocity(x, sigma, cond, guidance_scale=guidance)
 
-    def commit(x0, _k):
-        state["cond"] = adapter.commit(x0, state["cond"])
-
-    return stream_rollout(velocity, commit, noise, renoise, levels).blocks
+    return chunked_rollout(velocity, adapter.commit, noise, torch.cat([levels, torch.zeros(1)]),
+                           stream_sde_mask(levels.shape[0]), cond=cond, kernel="cps", noise_level=1.0,
+                           step_noise=renoise, keep_cond=False).final
 
 
 def training_metas(rng: np.random.Generator, n: int, num_frames: int) -> list[dict]:

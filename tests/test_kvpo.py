@@ -14,7 +14,7 @@ from flowgrpo.algorithms.kvpo import (RoutingPlan, batched_route_fn, branch_log_
                                       route_fn, stacked_route_fn, tve_scores, unrouted_positions)
 from flowgrpo.models import CausalWan
 from flowgrpo.models.causal_wan import stream_mask
-from samplers import stream_noise, stream_rollout, stream_sigmas
+from samplers import chunked_rollout, stream_noise, stream_sde_mask, stream_sigmas
 from test_causal_wan import C, H, W, diff, tiny_wan
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -320,11 +320,17 @@ BLOCK, SINK, WINDOW, STEPS = 2, 2, 6, 3
 
 
 def _rollout(wan, text, noise, renoise, sigmas, start_block=0):
-    return stream_rollout(
+    """Self-Forcing's sampler on the wan's blocks from ``start_block`` (the sampler's conditioning is the block
+    index); the last block is not written."""
+    def commit(x0, k):
+        wan.write(x0.double(), text, frame_offset=k * BLOCK)
+        return k + 1
+
+    return chunked_rollout(
         lambda x, sigma, k: wan(x.double(), torch.full((x.shape[0],), 1000.0 * sigma, dtype=F64), text,
                                 frame_offset=k * BLOCK),
-        lambda x0, k: wan.write(x0.double(), text, frame_offset=k * BLOCK),
-        noise, renoise, sigmas, start_block=start_block)
+        commit, noise, torch.cat([sigmas, torch.zeros(1)]), stream_sde_mask(sigmas.shape[0]), cond=start_block,
+        kernel="cps", noise_level=1.0, step_noise=renoise, record_x0=True)
 
 
 @pytest.fixture(scope="module")
@@ -351,7 +357,7 @@ def test_identity_routing_gives_a_bit_identical_stream(streams):
         wan.reset()
         with wan.routed(route):
             again = _rollout(wan, text, noise, renoise, sigmas)
-        assert torch.equal(again.x0, reference.x0) and torch.equal(again.inputs, reference.inputs)
+        assert torch.equal(again.x0, reference.x0) and torch.equal(again.latents, reference.latents)
     wan.reset()
     with wan.routed(route_fn(plan, 0)):
         routed = _rollout(wan, text, noise, renoise, sigmas)
@@ -368,7 +374,8 @@ def test_tve_replay_reproduces_a_branch_and_penalises_it_under_the_unrouted_cont
     wan, text, sigmas, noise, renoise, plan = streams
     kf, P = plan.fork_frame // BLOCK, plan.blocks
     wan.reset()
-    _rollout(wan, text, noise[:, :kf], renoise[:, :kf], sigmas)
+    before = _rollout(wan, text, noise[:, :kf], renoise[:, :kf], sigmas)
+    wan.write(before.final[:, -1].double(), text, frame_offset=(kf - 1) * BLOCK)
     prefix = wan.save_state()
     span = slice(kf, kf + P)
 
@@ -385,7 +392,7 @@ def test_tve_replay_reproduces_a_branch_and_penalises_it_under_the_unrouted_cont
         with wan.routed(route_fn(plan, branch)):
             for k in range(P):
                 for j in range(STEPS):
-                    x, sigma = traj.inputs[:, k, j], float(sigmas[j])
+                    x, sigma = traj.latents[:, k, j], float(sigmas[j])
                     v = wan(x.double(), torch.full((1,), 1000.0 * sigma, dtype=F64), text,
                             frame_offset=(kf + k) * BLOCK).float()
                     out[:, k, j] = x - sigma * v

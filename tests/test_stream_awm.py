@@ -23,9 +23,8 @@ from flowgrpo.algorithms import ALGORITHMS, Batch, Scores, UpdateContext
 from flowgrpo.algorithms.stream_awm import (StreamAWM, schedule_shift, segment_advantages, sigma_cdf,
                                             stratified_sigmas)
 from flowgrpo.models import StreamAdapter, StreamingWanPipeline, build_tiny_pipeline
-from flowgrpo.models.stream_adapter import stream_sde_mask
 from flowgrpo.models.stream_pipeline import StreamConfig
-from samplers import chunked_rollout, stream_sigmas
+from samplers import chunked_rollout, stream_sde_mask, stream_sigmas
 from doubles import keyed_generator  # tests/doubles.py
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

@@ -48,8 +48,8 @@ def test_batched_streams_equal_streams_one_by_one(pipe):
         alone = pipe([prompts[row]], switch_frames=[13], num_frames=FRAMES, noise=noise[row:row + 1],
                      renoise=renoise[row:row + 1], output_type="latent")
         assert (alone.latents - both.latents[row:row + 1]).abs().max() < 1e-5
-    # the recorded trajectory is the sampler's: the last step's prediction is the block
-    assert torch.equal(both.trajectory.blocks[:, 0], both.latents[:, :, :1])
+    # the recorded trajectory is the sampler's: its last states are the blocks
+    assert torch.equal(both.trajectory.final[:, 0], both.latents[:, :, :1])
 
 
 def test_guidance_changes_the_stream(pipe):

@@ -1,5 +1,5 @@
-"""The streaming sampler: Self-Forcing's few-step block generation over CausalWan, exact re-noise log-probs,
-explicit common random numbers, and the teacher-forcing forward that trains what it samples."""
+"""The streaming sampler with Self-Forcing's settings: few-step block generation over CausalWan, exact re-noise
+log-probs, explicit common random numbers, and the teacher-forcing forward that trains what it samples."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch
 
 from flowgrpo.models import CausalWan
 from flowgrpo.models.causal_wan import teacher_forcing_mask
-from samplers import renoise_log_prob, stream_noise, stream_rollout, stream_sigmas
+from samplers import chunked_rollout, sde_step, stream_noise, stream_sde_mask, stream_sigmas
 from test_causal_wan import C, H, W, diff, tiny_wan
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -27,62 +27,82 @@ def test_stream_sigmas_are_the_warped_step_list():
         stream_sigmas(0)
 
 
-def test_renoise_log_prob_is_the_exact_gaussian_density():
+def test_the_renoise_step_is_cps_at_noise_level_one_with_the_exact_gaussian_density():
+    """Self-Forcing's re-noise ``x' ~ N((1 − σ')·x̂₀, σ'²·I)`` is the cps kernel at noise level 1: its mean, its
+    log-density against the analytic Gaussian, and the log-density's gradient in the velocity."""
     g = torch.Generator().manual_seed(0)
-    x0, nxt = torch.randn(3, 2, 5, generator=g), torch.randn(3, 2, 5, generator=g)
-    sigma = torch.tensor([0.9, 0.5, 0.1])
-    ref = torch.distributions.Normal((1 - sigma.view(3, 1, 1)) * x0, sigma.view(3, 1, 1)).log_prob(nxt).sum((1, 2))
-    assert torch.allclose(renoise_log_prob(x0, nxt, sigma), ref, atol=1e-4)
-    # its gradient in x̂₀: (1 − σ')·(x' − (1 − σ')·x̂₀)/σ'²
-    x0.requires_grad_(True)
-    renoise_log_prob(x0, nxt, 0.5).sum().backward()
-    assert torch.allclose(x0.grad, 0.5 * (nxt - 0.5 * x0.detach()) / 0.25, atol=1e-5)
-    with pytest.raises(ValueError, match="sigma_next > 0"):
-        renoise_log_prob(x0, nxt, 0.0)
+    x, v, nxt = (torch.randn(3, 2, 5, generator=g) for _ in range(3))
+    sigma, sigma_next = torch.tensor([1.0, 0.8, 0.3]), torch.tensor([0.9, 0.5, 0.1])
+    s, s_next = sigma.view(3, 1, 1), sigma_next.view(3, 1, 1)
+    x0 = x - s * v
+    ref = torch.distributions.Normal((1 - s_next) * x0, s_next).log_prob(nxt).sum((1, 2))
+    step = sde_step(v, x, sigma, sigma_next, kernel="cps", noise_level=1.0, prev_sample=nxt)
+    assert torch.allclose(step.mean, (1 - s_next) * x0, atol=1e-6) and torch.allclose(step.std, sigma_next)
+    assert torch.allclose(step.log_prob, ref, atol=1e-4)
+    # its gradient in v, through x̂₀ = x − σ·v: −σ·(1 − σ')·(x' − (1 − σ')·x̂₀)/σ'²
+    v.requires_grad_(True)
+    sde_step(v, x, 0.8, 0.5, kernel="cps", noise_level=1.0, prev_sample=nxt).log_prob.sum().backward()
+    x0 = x - 0.8 * v.detach()
+    assert torch.allclose(v.grad, -0.8 * 0.5 * (nxt - 0.5 * x0) / 0.25, atol=1e-5)
+    with pytest.raises(ValueError, match="σ' = 0"):
+        sde_step(v, x, 0.5, 0.0, kernel="cps", noise_level=1.0, prev_sample=nxt)
 
 
 def _stream(wan, text, noise, renoise, sigmas):
+    """Self-Forcing's sampler on the wan's blocks (the sampler's conditioning is the block index)."""
+    def commit(x0, k):
+        wan.write(x0.double(), text, frame_offset=k * BLOCK)
+        return k + 1
+
     wan.reset()
-    return stream_rollout(
+    return chunked_rollout(
         lambda x, sigma, k: wan(x.double(), torch.full((x.shape[0],), 1000.0 * sigma, dtype=torch.float64), text,
                                 frame_offset=k * BLOCK),
-        lambda x0, k: wan.write(x0.double(), text, frame_offset=k * BLOCK),
-        noise, renoise, sigmas)
+        commit, noise, torch.cat([sigmas, torch.zeros(1)]), stream_sde_mask(sigmas.shape[0]), cond=0, kernel="cps",
+        noise_level=1.0, step_noise=renoise, record_x0=True)
+
+
+def _video(blocks):
+    """Blocks ``[B, K, C, F, h, w]`` joined along the frame axis: ``[B, C, K·F, h, w]``."""
+    return torch.cat(blocks.unbind(1), 2)
 
 
 @torch.no_grad()
-def test_stream_rollout_equals_teacher_forcing_forward_and_rescores_exactly():
+def test_the_stream_equals_teacher_forcing_forward_and_rescores_exactly():
     wan = CausalWan(tiny_wan(), block_frames=BLOCK, sink_frames=2, window_frames=4)
     text = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     sigmas = stream_sigmas(STEPS, shift=5.0)
     noise, renoise = stream_noise(2, BLOCKS, STEPS, (C, BLOCK, H, W), generator=torch.Generator().manual_seed(3))
     traj = _stream(wan, text, noise, renoise, sigmas)
-    assert traj.inputs.shape == (2, BLOCKS, STEPS, C, BLOCK, H, W) and traj.log_probs.shape == (2, BLOCKS, STEPS - 1)
-    assert traj.nfe == BLOCKS * STEPS and traj.video().shape == (2, C, BLOCKS * BLOCK, H, W)
-    assert torch.equal(traj.inputs[:, :, 0], noise)
+    assert traj.latents.shape == (2, BLOCKS, STEPS + 1, C, BLOCK, H, W) and traj.x0.shape == (2, BLOCKS, STEPS, C,
+                                                                                             BLOCK, H, W)
+    assert traj.log_probs.shape == (2, BLOCKS, STEPS) and torch.all(traj.log_probs[:, :, -1] == 0)
+    assert traj.nfe == BLOCKS * STEPS and torch.equal(traj.latents[:, :, 0], noise)
+    # the last step's prediction is the block
+    assert torch.equal(traj.final, traj.x0[:, :, -1])
     # each re-noise transition is (1 − σ')·x̂₀ + σ'·ε with the given draw, and its log-prob is the Gaussian's
     for j in range(STEPS - 1):
         s = float(sigmas[j + 1])
-        assert torch.allclose(traj.inputs[:, :, j + 1], (1 - s) * traj.x0[:, :, j] + s * renoise[:, :, j], atol=1e-6)
+        assert torch.allclose(traj.latents[:, :, j + 1], (1 - s) * traj.x0[:, :, j] + s * renoise[:, :, j], atol=1e-6)
         z = renoise[:, :, j].flatten(2).double()
         d = z.shape[-1]
         expected = -0.5 * z.square().sum(-1) - d * (math.log(s) + 0.5 * math.log(2 * math.pi))
         assert torch.allclose(traj.log_probs[:, :, j].double(), expected, atol=1e-3)
     # every recorded prediction == one teacher-forcing forward: [clean blocks ; the recorded input of each block]
-    clean = traj.video().double()
+    clean = _video(traj.final).double()
     mask = teacher_forcing_mask(BLOCKS * BLOCK, BLOCK, sink_frames=2, window_frames=4)
     for j in range(STEPS):
-        noisy = torch.cat(traj.inputs[:, :, j].double().unbind(1), 2)
+        noisy = _video(traj.latents[:, :, j]).double()
         t = torch.cat([torch.zeros(2, BLOCKS * BLOCK, dtype=torch.float64),
                        torch.full((2, BLOCKS * BLOCK), 1000.0 * float(sigmas[j]), dtype=torch.float64)], 1)
         v = wan.full(torch.cat([clean, noisy], 2), t, text, mask=mask, frame_positions=list(range(BLOCKS * BLOCK)) * 2)
         x0 = noisy - float(sigmas[j]) * v[:, :, BLOCKS * BLOCK:]
-        assert diff(x0, torch.cat(traj.x0[:, :, j].double().unbind(1), 2)) < 1e-5   # float32 recording
+        assert diff(x0, _video(traj.x0[:, :, j]).double()) < 1e-5   # float32 recording
     # the same tensors give the same stream (common random numbers); other draws a different one
     again = _stream(wan, text, noise, renoise, sigmas)
     assert torch.equal(again.x0, traj.x0)
     other = _stream(wan, text, noise, torch.randn_like(renoise), sigmas)
-    assert torch.equal(other.x0[:, 0, 0], traj.x0[:, 0, 0]) and diff(other.blocks, traj.blocks) > 1e-3
+    assert torch.equal(other.x0[:, 0, 0], traj.x0[:, 0, 0]) and diff(other.final, traj.final) > 1e-3
 
 
 @torch.no_grad()
@@ -97,10 +117,36 @@ def test_batched_stream_rows_are_independent():
         assert diff(single.x0, batched.x0[row:row + 1]) < 1e-5
 
 
-def test_stream_rollout_refuses_bad_schedules_and_shapes():
+def test_given_noise_is_the_generators_arithmetic():
+    """The same draws, given as tensors or drawn from per-row generators, give the same stream bit for bit."""
+    sigmas = torch.cat([stream_sigmas(3, shift=3.0), torch.zeros(1)])
+    noise = torch.randn(2, 2, 3, 4, generator=torch.Generator().manual_seed(0))
+    velocity = lambda x, s, k: torch.sin(x + s + k)  # noqa: E731
+    commit = lambda x0, k: k + 1  # noqa: E731
+    kw = dict(cond=0, kernel="cps", noise_level=1.0)
+    drawn = chunked_rollout(velocity, commit, noise, sigmas, stream_sde_mask(3),
+                            generator=[torch.Generator().manual_seed(b) for b in range(2)], **kw)
+    # per-row generators draw block by block, step by step
+    gens = [torch.Generator().manual_seed(b) for b in range(2)]
+    renoise = torch.stack([torch.stack([torch.stack([torch.randn(1, 3, 4, generator=g)[0] for _ in range(2)])
+                                        for _ in range(2)]) for g in gens])
+    given = chunked_rollout(velocity, commit, noise, sigmas, stream_sde_mask(3), step_noise=renoise, **kw)
+    assert torch.equal(given.latents, drawn.latents) and torch.equal(given.log_probs, drawn.log_probs)
+
+
+def test_the_stream_refuses_bad_schedules_and_noise():
     noise, renoise = stream_noise(1, 1, 2, (1, 1), generator=torch.Generator().manual_seed(0))
-    noop = lambda *a: None  # noqa: E731
-    with pytest.raises(ValueError, match="decrease"):
-        stream_rollout(lambda x, s, k: x, noop, noise, renoise, torch.tensor([0.5, 0.9]))
-    with pytest.raises(ValueError, match="renoise"):
-        stream_rollout(lambda x, s, k: x, noop, noise, renoise[:, :, :0], torch.tensor([1.0, 0.5]))
+    noop = lambda x0, k: k + 1  # noqa: E731
+    kw = dict(cond=0, kernel="cps", noise_level=1.0)
+    with pytest.raises(ValueError, match="decreasing"):
+        chunked_rollout(lambda x, s, k: x, noop, noise, torch.tensor([0.5, 0.9, 0.0]), stream_sde_mask(2),
+                        step_noise=renoise, **kw)
+    with pytest.raises(ValueError, match="a later step is an SDE step"):
+        chunked_rollout(lambda x, s, k: x, noop, noise, torch.tensor([1.0, 0.5, 0.0]), stream_sde_mask(2),
+                        step_noise=renoise[:, :, :0], **kw)
+    with pytest.raises(ValueError, match="step_noise must be"):
+        chunked_rollout(lambda x, s, k: x, noop, noise, torch.tensor([1.0, 0.5, 0.0]), stream_sde_mask(2),
+                        step_noise=renoise[:, :, :, :0], **kw)
+    with pytest.raises(ValueError, match="not both"):
+        chunked_rollout(lambda x, s, k: x, noop, noise, torch.tensor([1.0, 0.5, 0.0]), stream_sde_mask(2),
+                        step_noise=renoise, generator=[torch.Generator()], **kw)

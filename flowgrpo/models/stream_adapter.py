@@ -17,8 +17,8 @@ Each block is integrated over ``[σ_0, …, σ_{S−1}, 0]`` (:meth:`StreamAdapt
 the step into ``σ_{j+1} > 0`` is the re-noise ``x_{j+1} ~ N((1 − σ_{j+1})·x̂₀, σ_{j+1}²·I)``, which is the ``cps``
 kernel at noise level 1 (``samplers.sde_step``), and the last step, into 0, returns ``x̂₀``. So the streaming sampler
 is ``samplers.chunked_rollout(velocity, commit, noise, sigmas, mask, kernel="cps", noise_level=1)`` with the SDE mask
-on the first ``S − 1`` steps of every block, and its log-probabilities are the exact Gaussian ones of those
-re-noise draws.
+on the first ``S − 1`` steps of every block (``samplers.stream_sde_mask``), and its log-probabilities are the exact
+Gaussian ones of those re-noise draws.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
-from samplers import chunked_rollout, stream_sigmas
+from samplers import chunked_rollout, stream_sde_mask, stream_sigmas
 
 from ..registry import TEMPORAL_FACTORS
 from .base import TransformerAccess
@@ -37,7 +37,7 @@ from .causal_wan import CacheState, teacher_forcing_mask
 from .stream_pipeline import StreamingWanPipeline
 from .wan import WanAdapter
 
-__all__ = ["StreamCond", "StreamAdapter", "ForcingRun", "stream_sde_mask"]
+__all__ = ["StreamCond", "StreamAdapter", "ForcingRun"]
 
 
 def _cat_cache(a: CacheState, b: CacheState) -> CacheState:
@@ -171,13 +171,6 @@ def _routed_mask(mask: torch.Tensor, layout: tuple, route, block_frames: int) ->
                 for r in rows:
                     mask[r, context + own] = True
         start = first_noisy + len(blocks) * block_frames
-    return mask
-
-
-def stream_sde_mask(num_steps: int) -> torch.Tensor:
-    """Bool ``[S]`` over a block's ``S`` steps (``[σ_0, …, σ_{S−1}, 0]``): the re-noise steps (all but the last)."""
-    mask = torch.ones(num_steps, dtype=torch.bool)
-    mask[-1] = False
     return mask
 
 

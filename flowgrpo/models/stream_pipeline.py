@@ -1,7 +1,8 @@
 r"""Streaming text-to-video with prompt switches: a ``WanPipeline``'s text encoder and VAE around a causal Wan.
 
 :class:`StreamingWanPipeline` makes long videos block by block with :class:`~flowgrpo.models.CausalWan` and the
-few-step streaming sampler (:func:`samplers.stream_rollout`); the prompt may change at given frames (a new
+few-step streaming sampler (Self-Forcing's: :func:`samplers.chunked_rollout` with the ``cps`` kernel at noise
+level 1, the trainer's streaming sampler); the prompt may change at given frames (a new
 segment), where the cache is re-written under the new prompt (:meth:`CausalWan.recache`). Its settings (block
 size, steps and shift, sink, window, context noise, guidance) live in ``stream_config.json`` beside the diffusers
 components, so a streaming model directory is a plain ``WanPipeline`` directory plus that file:
@@ -29,7 +30,7 @@ from typing import Sequence
 import torch
 from diffusers import WanPipeline
 
-from samplers import StreamTrajectory, stream_noise, stream_rollout, stream_sigmas
+from samplers import ChunkedTrajectory, chunked_rollout, stream_noise, stream_sde_mask, stream_sigmas
 
 from .causal_wan import CausalWan
 from .wan import WanAdapter
@@ -85,12 +86,13 @@ class StreamConfig:
 @dataclass
 class StreamOutput:
     """``videos``: ``[B, T, 3, H, W]`` float in [0, 1] (``None`` with ``output_type="latent"``); ``latents``:
-    ``[B, C, F, h, w]``; ``trajectory``: what the sampler recorded; ``switch_blocks``: the block each segment
+    ``[B, C, F, h, w]``; ``trajectory``: what the sampler recorded (every block's states and re-noise
+    log-probabilities); ``switch_blocks``: the block each segment
     after the first starts at; ``segment_of_block``: the segment every block was made under."""
 
     videos: torch.Tensor | None
     latents: torch.Tensor
-    trajectory: StreamTrajectory
+    trajectory: ChunkedTrajectory
     switch_blocks: list
     segment_of_block: list
 
@@ -214,6 +216,9 @@ class StreamingWanPipeline:
         noise, renoise = noise.to(self.adapter.device), renoise.to(self.adapter.device)
         if noise.shape != (batch, blocks, *block_shape):
             raise ValueError(f"noise must be {(batch, blocks, *block_shape)}, got {tuple(noise.shape)}")
+        if renoise.shape != (batch, blocks, c.num_steps - 1, *block_shape):
+            raise ValueError(f"renoise must be {(batch, blocks, c.num_steps - 1, *block_shape)}, "
+                             f"got {tuple(renoise.shape)}")
         embeds = [self._encode([r[s] for r in rows]) for s in range(segments)]
         cfg = embeds[0].has_negative
         texts = [e.for_cfg().prompt_embeds if cfg else e.prompt_embeds for e in embeds]
@@ -222,6 +227,7 @@ class StreamingWanPipeline:
         bf = c.block_frames
         self.wan.reset()
 
+        # the sampler's conditioning is the block index: the stream's state lives in self.wan
         def velocity(x, sigma, k):
             x_in = torch.cat([x, x]) if cfg else x
             t = torch.full((x_in.shape[0],), 1000.0 * sigma, device=x.device)
@@ -233,8 +239,6 @@ class StreamingWanPipeline:
 
         def commit(x0, k):
             done.append(x0)
-            if k + 1 >= blocks:
-                return
             x_in = torch.cat([x0, x0]) if cfg else x0
             self.wan.write(x_in, texts[segment_of_block[k]], frame_offset=k * bf,
                            noise=self._context_noise(x_in, generator))
@@ -245,9 +249,12 @@ class StreamingWanPipeline:
                     past = torch.cat([past, past]) if cfg else past
                     self.wan.recache(past, texts[segment_of_block[k + 1]], frame_offset=start,
                                      noise=self._context_noise(past, generator))
+            return k + 1
 
-        trajectory = stream_rollout(velocity, commit, noise, renoise, stream_sigmas(c.num_steps, c.shift))
-        latents = trajectory.video()
+        sigmas = torch.cat([stream_sigmas(c.num_steps, c.shift), torch.zeros(1)])
+        trajectory = chunked_rollout(velocity, commit, noise, sigmas, stream_sde_mask(c.num_steps), cond=0,
+                                     kernel="cps", noise_level=1.0, step_noise=renoise)
+        latents = torch.cat(trajectory.final.unbind(1), dim=2)  # the blocks joined along the frame axis
         videos = None if output_type == "latent" else self.adapter.decode(latents)
         return StreamOutput(videos, latents, trajectory, switch_blocks, segment_of_block)
 

@@ -58,7 +58,7 @@ def tve_scores(x0_replay: torch.Tensor, x0_recorded: torch.Tensor, sigmas, sigma
 
     Args:
         x0_replay: ``[G, K, S, ...]`` the clean predictions of the replay (block ``k``, step ``j``; the layout of
-            ``StreamTrajectory.x0``); carries the gradient.
+            ``ChunkedTrajectory.x0``); carries the gradient.
         x0_recorded: the same shape, what the branch recorded (no gradient).
         sigmas: ``[S]`` the noise level of each step (every block the same), or ``[K, S]``.
         sigma_floor: ``σ`` below it counts as ``sigma_floor`` (official default 1.0: every step weighs ``1/2``);

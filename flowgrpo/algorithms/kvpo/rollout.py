@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from samplers import stream_rollout
+from samplers import chunked_rollout, stream_sde_mask
 
 from ...rollout import Rollout, SamplingModel
 from ...seeding import ALGO_STREAM, seeded_generator
@@ -103,28 +103,21 @@ class BranchedRollout(Rollout):
         gens = [self._generator(iteration, int(batch.global_rows[p * G1]) // G1, 0) for p in range(groups)]
         noise = self.model.noise(len(gens), gens)  # [groups, K, C, F, h, w]
         renoise = torch.stack([torch.randn((K, S - 1, *noise.shape[2:]), generator=g) for g in gens]).to(noise.device)
-        sigmas = plan.sigmas[:-1]
+        # Self-Forcing's sampler, recording each step's clean prediction (the TVE replay compares against them)
+        sample = dict(sigmas=plan.sigmas, sde_mask=stream_sde_mask(S), kernel="cps", noise_level=1.0, record_x0=True)
 
-        # the reference runs, one per group, unrouted from the first block to the last
+        # the reference runs, one per group, unrouted from the first block to the last; their state is kept at the
+        # blocks where some group forks
         ref_rows = torch.arange(groups) * G1 + G
-        current = [batch.cond[ref_rows]]  # the reference runs' state before the block being made
-        at_fork = {0: current[0]} if 0 in forks else {}  # ... kept at the blocks where some group forks
-
-        def ref_velocity(x, sigma, k):
-            return velocity_of(x, sigma, current[0])
-
-        def ref_commit(x0, k):
-            if k + 1 < K:
-                current[0] = adapter.commit(x0, current[0])
-                if k + 1 in forks:
-                    at_fork[k + 1] = current[0]
-
-        ref = stream_rollout(ref_velocity, ref_commit, noise, renoise, sigmas)
-        inputs = ref.inputs.repeat_interleave(G1, 0)  # every row starts as its reference run ...
+        ref = chunked_rollout(velocity_of, adapter.commit, noise, cond=batch.cond[ref_rows], step_noise=renoise,
+                              keep_cond=lambda k, cond: cond if k in forks else None, **sample)
+        at_fork = {k: ref.conds[k] for k in set(forks)}
+        latents = ref.latents.repeat_interleave(G1, 0)  # every row starts as its reference run ...
         x0 = ref.x0.repeat_interleave(G1, 0)
         log_probs = ref.log_probs.repeat_interleave(G1, 0)
         # ... and the branches take over from their fork, block by block, at most algo.branch_batch rows at a time
-        # (each holds a KV cache); within a chunk, rows join at their own group's fork
+        # (each holds a KV cache); within a chunk, rows join at their own group's fork, so each call makes one block
+        # and the write pass after it is this loop's
         order = sorted((p * G1 + g for p in range(groups) for g in range(G)), key=lambda r: (forks[r // G1], r))
         size = algo.cfg.branch_batch or len(order)
         for chunk in (order[i:i + size] for i in range(0, len(order), size)):
@@ -138,25 +131,23 @@ class BranchedRollout(Rollout):
                     active += joining
                 idx = torch.tensor(active)
                 route = stacked_route_fn([plans[r // G1] for r in active], [r % G1 for r in active])
-                state = [cond]
 
-                def velocity(x, sigma, _k):
+                def velocity(x, sigma, cond):
                     with adapter.wan.routed(route):
-                        return velocity_of(x, sigma, state[0])
+                        return velocity_of(x, sigma, cond)
 
-                def commit(x0_k, _k):
-                    if _k + 1 < K:
-                        with adapter.wan.routed(route):
-                            state.append(adapter.commit(x0_k, state[0]))
+                def commit(x0_k, cond):
+                    with adapter.wan.routed(route):
+                        return adapter.commit(x0_k, cond)
 
                 groups_of = idx // G1
-                part = stream_rollout(velocity, commit, noise[groups_of, k:k + 1], renoise[groups_of, k:k + 1],
-                                      sigmas, start_block=k)
-                inputs[idx, k], x0[idx, k], log_probs[idx, k] = part.inputs[:, 0], part.x0[:, 0], part.log_probs[:, 0]
-                cond = state[-1]
-        batch.latents = torch.cat([inputs, x0[:, :, -1:]], dim=2)
+                part = chunked_rollout(velocity, commit, noise[groups_of, k:k + 1], cond=cond,
+                                       step_noise=renoise[groups_of, k:k + 1], keep_cond=False, **sample)
+                latents[idx, k], x0[idx, k], log_probs[idx, k] = part.latents[:, 0], part.x0[:, 0], part.log_probs[:, 0]
+                if k + 1 < K:
+                    cond = commit(part.final[:, 0], cond)
+        batch.latents, batch.log_probs = latents, log_probs
         batch.final = batch.latents[:, :, -1]
-        batch.log_probs = torch.cat([log_probs, torch.zeros_like(log_probs[:, :, :1])], dim=2)
         batch.chunk_conds = None
         batch.nfe = (groups * K + G * sum(K - f for f in forks)) * S
         fork_rows = torch.tensor([forks[r // G1] for r in range(n)], dtype=torch.long)
