@@ -230,7 +230,7 @@ def test_streaming_models_train_only_with_streaming_algorithms(overrides, messag
 @pytest.mark.parametrize("overrides, asset", [
     (["experiment=stream_grpo_shapes"], "tiny-causal-wan-shapes-4step"),
     (["experiment=stream_awm_shapes"], "tiny-causal-wan-shapes-4step"),
-    (["experiment=kvpo_shapes"], "tiny-causal-wan-shapes"),
+    (["experiment=kvpo_shapes"], "tiny-causal-wan-shapes-4step"),
     (["experiment=stream_grpo_shapes", "model=causal_wan_shapes"], "tiny-causal-wan-shapes"),
 ])
 def test_the_streaming_presets_compose_to_their_assets_own_settings(overrides, asset):
