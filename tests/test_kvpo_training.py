@@ -18,7 +18,8 @@ from flowgrpo.algorithms.old_policy import OldPolicy
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
 BASE = [
-    "experiment=kvpo_shapes", "logger=none",
+    # the guided 10-step model (the preset's is guidance-free): routing is checked on CFG's two streams per row too
+    "experiment=kvpo_shapes", "model=causal_wan_shapes", "data=motion_streams", "logger=none",
     "trainer.iterations=1", "trainer.prompts_per_iteration=2", "trainer.group_size=3",
     "trainer.train_batch_size=6", "trainer.gradient_accumulation_steps=1", "trainer.lr=1e-2",
     "trainer.eval_before=false", "trainer.eval_every=0", "trainer.eval_num_prompts=2", "trainer.gallery_every=0",
