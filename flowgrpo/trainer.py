@@ -11,9 +11,7 @@
    EMA. The algorithm reaches the model only through :class:`~flowgrpo.context.TrainerContext` (velocity,
    reference policy, seeded generators).
 6. **log / checkpoint** — scalars, galleries, held-out evaluations (:class:`~flowgrpo.held_out.HeldOut`), atomic
-   checkpoints. What a checkpoint holds, resuming, and the checkpoint an exception leaves are
-   :class:`~flowgrpo.run_state.RunState`'s; the checks that stop a run before it goes wrong (memory, non-finite
-   samples, diverging updates, stop requests) :class:`~flowgrpo.guards.Guards`'. Both are mixins of the trainer.
+   checkpoints, resuming (:class:`~flowgrpo.run_state.RunState`), run guards (:class:`~flowgrpo.guards.Guards`).
 
 Determinism across process counts: every random draw that shapes a sample (its prompt, initial noise, SDE
 noise, the order its trained steps are visited in) comes from a generator seeded by ``(seed, iteration,
