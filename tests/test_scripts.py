@@ -397,17 +397,23 @@ def test_compare_presets_arm_without_a_preset_runs_the_defaults_and_the_report_n
         compare.main(["--arms", "a,", "--runs", str(runs), "--out", str(tmp_path / "x")])
 
 
-def test_compare_presets_continues_a_stopped_run_from_its_checkpoint(tmp_path, monkeypatch):
-    """A run whose summary says it stopped early (SIGTERM) is run again with ``trainer.resume=<its dir>``, its wall
-    clock adding to the time already spent; a finished run is not run again; a run that stops again ends the
-    comparison with the command to continue."""
-    compare = load_script("compare_presets")
+def _stopped_run(tmp_path):
+    """A run dir as a SIGTERM leaves it: a checkpoint, a summary that says it stopped, 100 s on its clock."""
     runs = tmp_path / "runs"
     d = runs / "a_seed0"
     (d / "checkpoints").mkdir(parents=True)
     (d / "checkpoints" / "latest").write_text("checkpoint-000050")
     (d / "summary.json").write_text(json.dumps({"stopped": "stop requested; finished the iteration"}))
     (d / "wall_clock.json").write_text(json.dumps({"seconds": 100.0}))
+    return runs, d
+
+
+def test_compare_presets_continues_a_stopped_run_from_its_checkpoint(tmp_path, monkeypatch):
+    """A run whose summary says it stopped early (SIGTERM) is run again with ``trainer.resume=<its dir>``, its wall
+    clock adding to the time already spent; a finished run is not run again; a run that stops again ends the
+    comparison with the command to continue."""
+    compare = load_script("compare_presets")
+    runs, d = _stopped_run(tmp_path)
     rows = [{"iteration": 0, "eval/strict": 0.2}, {"iteration": 100, "eval/strict": 0.4}]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     calls = []
@@ -445,12 +451,7 @@ def test_compare_presets_keeps_the_clock_of_a_run_a_signal_stopped(tmp_path, mon
     """A signal that stops a run part-way still leaves its wall clock (the time already spent plus this attempt's), so
     the resumed run reports the time of both attempts, not of the last one alone."""
     compare = load_script("compare_presets")
-    runs = tmp_path / "runs"
-    d = runs / "a_seed0"
-    (d / "checkpoints").mkdir(parents=True)
-    (d / "checkpoints" / "latest").write_text("checkpoint-000050")
-    (d / "summary.json").write_text(json.dumps({"stopped": "stop requested; finished the iteration"}))
-    (d / "wall_clock.json").write_text(json.dumps({"seconds": 100.0}))
+    runs, d = _stopped_run(tmp_path)
 
     def stopped_by_a_signal(cmd, log):
         time.sleep(0.2)
