@@ -370,7 +370,7 @@ def video_taros_table() -> str:
 
 
 STREAM_PRESETS = [("streaming GRPO (`experiment=stream_grpo_shapes`)", "stream_grpo_shapes"),
-                  ("KVPO (`experiment=kvpo_shapes`)", "kvpo_shapes")]
+                  ("KVPO (`experiment=kvpo_shapes` as it was: the guided model)", "kvpo_shapes")]
 
 
 def streaming_table() -> str:
@@ -436,6 +436,33 @@ def stream_one_object_table() -> str:
                          f"{run['seconds'] / 60:.1f} min"])
     return _table(["method, seed", "reward", "change", "direction", "speed", "adherence", "identity", "anti-freeze",
                    "run"], rows)
+
+
+KVPO_PAIRED = "kvpo_paired.json"
+#: the streaming page's comparison: the independent-stream methods' one-thread runs beside KVPO's
+STREAM_BASELINES = [("streaming AWM (one thread)", "streaming AWM, one thread each"),
+                    ("streaming GRPO, lr 2e-5", "streaming GRPO, lr 2e-5")]
+COMPONENTS = ("direction", "speed", "adherence", "identity", "anti_freeze")
+
+
+def kvpo_comparison_table() -> str:
+    """KVPO's runs and its objective ablation beside streaming AWM and streaming GRPO on one-object streams: per
+    run the paired held-out change of the long-video reward and its components; per method with several seeds,
+    the mean ± std of those changes over seeds."""
+    baselines = load(STREAM_ONE_OBJECT)["arms"]
+    arms = [(label, baselines[key]) for label, key in STREAM_BASELINES] + list(load(KVPO_PAIRED)["arms"].items())
+    rows = []
+    for label, arm in arms:
+        runs = arm["runs"]
+        for run in runs:
+            m = run["metrics"]
+            rows.append([f"{label}, seed {run['seed']}", f"**{_change(m['reward'])}**",
+                         *(_change(m[c]) for c in COMPONENTS), f"{run['seconds'] / 60:.1f} min"])
+        if len(runs) > 1:
+            spread = [[r["metrics"][c]["change"] for r in runs] for c in ("reward", *COMPONENTS)]
+            rows.append([f"{label}: mean ± std over {len(runs)} seeds",
+                         *(f"{statistics.fmean(v):+.3f} ± {statistics.stdev(v):.3f}" for v in spread), ""])
+    return _table(["method, seed", "reward", *(c.replace("_", "-") for c in COMPONENTS), "run"], rows)
 
 
 def stream_apart_table() -> str:
@@ -887,6 +914,7 @@ BLOCKS = {
     "streaming-summary": (DOCS / "streaming-video.md", streaming_summary),
     "stream-one-object": (DOCS / "streaming-video.md", stream_one_object_table),
     "stream-apart": (DOCS / "streaming-video.md", stream_apart_table),
+    "kvpo-comparison": (DOCS / "streaming-video.md", kvpo_comparison_table),
     "time-to-reward": (DOCS / "performance.md", time_to_reward_table),
     "video-time-to-reward": (DOCS / "performance.md", video_time_to_reward_table),
     "iteration-cost": (DOCS / "performance.md", iteration_cost_table),
