@@ -380,11 +380,17 @@ class KVPO(Algorithm):
         self.iterations_since_sync = int(state.get("iterations_since_sync", 0))
         self._cache = {}  # scores of weights the loaded state may no longer hold
 
+    def describe_branches(self) -> str:
+        """The banner's account of the branches and their advantages (``BranchingConfig``), for every algorithm
+        training KVPO's routed branches."""
+        c = self.cfg
+        return (f"{self.num_chunks} blocks × {self.num_steps} steps; groups of branches + 1 reference run with shared "
+                f"noise, {c.routed_blocks} routed blocks (nearest {c.nearest_m}, fork {c.fork}), advantages local "
+                f"({c.local_reward}) {c.w_local:g} + global {c.w_global:g} (clip ±{c.adv_clip:g}, std floor "
+                f"{c.adv_std_floor:g})")
+
     def describe(self) -> str:
         c = self.cfg
-        return (f"kvpo (KVPO): {self.num_chunks} blocks × {self.num_steps} steps; groups of branches + 1 reference "
-                f"run with shared noise, {c.routed_blocks} routed blocks (nearest {c.nearest_m}, fork {c.fork}), TVE "
-                f"replay of {c.replay_blocks or c.routed_blocks} blocks (gradient through {c.grad_steps} steps each), "
-                f"clip [{1 - c.clip_low:g}, {1 + c.clip_high:g}], KL to the initial policy {c.kl_beta:g}, advantages "
-                f"local ({c.local_reward}) {c.w_local:g} + global {c.w_global:g} (clip ±{c.adv_clip:g}, std floor "
-                f"{c.adv_std_floor:g}), old policy synced every {c.old_sync_every} iterations")
+        return (f"kvpo (KVPO): {self.describe_branches()}; TVE replay of {c.replay_blocks or c.routed_blocks} blocks "
+                f"(gradient through {c.grad_steps} steps each), clip [{1 - c.clip_low:g}, {1 + c.clip_high:g}], KL to "
+                f"the initial policy {c.kl_beta:g}, old policy synced every {c.old_sync_every} iterations")

@@ -141,9 +141,6 @@ class KVPOAWM(StreamingTrustRegion, KVPO):
 
     def describe(self) -> str:
         c = self.cfg
-        return (f"kvpo_awm (KVPO's routed branches, streaming AWM's update): {self.num_chunks} blocks × "
-                f"{self.num_steps} steps; groups of branches + 1 reference run with shared noise, {c.routed_blocks} "
-                f"routed blocks (nearest {c.nearest_m}, fork {c.fork}), advantages local ({c.local_reward}) "
-                f"{c.w_local:g} + global {c.w_global:g} (clip ±{c.adv_clip:g}, std floor {c.adv_std_floor:g}) scaled to ±{c.advantage_max:g}; AWM "
-                f"on the blocks from the fork under each branch's routes, {c.weighting} weighting, EMA trust region "
-                f"{c.ema_kl_beta:g} (decay cap {c.ema_kl_decay:g}), KL weight {c.kl_beta:g}")
+        return (f"kvpo_awm (KVPO's routed branches, streaming AWM's update): {self.describe_branches()}, scaled to "
+                f"±{c.advantage_max:g}; AWM on the blocks from the fork under each branch's routes, {c.weighting} "
+                f"weighting, EMA trust region {c.ema_kl_beta:g} (decay cap {c.ema_kl_decay:g}), KL weight {c.kl_beta:g}")
