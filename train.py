@@ -13,7 +13,7 @@ import hydra
 from omegaconf import DictConfig
 
 import flowgrpo.config  # noqa: F401  (registers the schemas in Hydra's ConfigStore before composition)
-from flowgrpo.launch import check_launch
+from flowgrpo.launch import check_launch, end_launched_process
 from flowgrpo.runlog import discard_hydra_dir
 
 CONF = Path(__file__).resolve().parent / "conf"
@@ -57,6 +57,7 @@ def check_printed_config(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    main()  # a failure leaves through Hydra (exit 1) before the lines below
     if any(a in ("--cfg", "-c") or a.startswith("--cfg=") for a in sys.argv[1:]):
         sys.exit(check_printed_config(sys.argv[1:]))
+    end_launched_process()  # a finished process of a multi-process launch exits 0 without the interpreter teardown

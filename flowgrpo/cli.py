@@ -138,7 +138,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     main_process = accelerator.is_main_process
     _adopt_hydra_dir(out, main_process)
     code = code_version() if main_process else None  # the code as it is when the run starts
-    set_up = False
+    set_up = finished = False
     try:
         with run_log(out, main=main_process):
             if main_process:
@@ -165,13 +165,18 @@ def main(cfg: DictConfig) -> dict[str, Any]:
                 except OSError as err:
                     raise OSError(err.errno, f"could not write {path}: {err.strerror or err}") from err
                 log.info(f"summary: {path}")
+        finished = True
     except BaseException:
         if not set_up and fresh and main_process:  # a set-up failure (a prompt file, the model, memory): no half run
             discard_run_dir(out)                  # dir is left behind; the error itself is on the console
         raise
     finally:
         # a process that exits with its process group alive can abort in the backend's teardown (gloo: SIGABRT,
-        # "terminate called without an active exception"), turning a finished run into a failed launch
+        # "terminate called without an active exception"), turning a finished run into a failed launch: after a
+        # finished run the processes meet (the main one writes the summary last), then each destroys the group
+        # (train.py then ends a launched process without the interpreter's teardown: launch.end_launched_process)
+        if finished:
+            accelerator.wait_for_everyone()
         accelerator.end_training()
     return summary
 

@@ -12,11 +12,14 @@ Multi-process CPU runs work with ``torchrun --nproc_per_node N train.py ...`` or
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
+import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
-__all__ = ["requested_processes", "parent_argv", "check_launch"]
+__all__ = ["requested_processes", "parent_argv", "check_launch", "end_launched_process"]
 
 
 def _launcher_args(argv: Sequence[str]) -> list[str]:
@@ -103,3 +106,23 @@ def check_launch(environ: Mapping[str, str] | None = None, launcher_argv: Sequen
         f"launch with `torchrun --nproc_per_node {num} train.py ...` or `accelerate launch --multi_gpu "
         f"--num_processes {num} train.py ...` (without --cpu / use_cpu: on a machine without GPUs both start "
         f"{num} gloo processes). For one process, drop --num_processes (or set it to 1).")
+
+
+def end_launched_process(environ: Mapping[str, str] | None = None) -> None:
+    """End a process of a multi-process launch whose run finished: the exit handlers (``atexit``) and the log handlers
+    run, the output is flushed, and the process exits 0 at once. A no-op in a single process (no ``WORLD_SIZE`` > 1).
+
+    Without it the interpreter's own teardown would free the training objects that still hold the process group (the
+    DDP-wrapped model keeps it after ``destroy_process_group``); a gloo worker thread that wants the GIL while the
+    interpreter is being finalised is unwound by Python, which aborts the process (SIGABRT, "terminate called
+    without an active exception") after everything was saved, now and then, and turns a finished run into a failed
+    launch. The processes have met before this point (:func:`flowgrpo.cli.main` waits for all of them before it
+    destroys the group), so none leaves while a peer is still inside a collective."""
+    environ = os.environ if environ is None else environ
+    if int(environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return
+    atexit._run_exitfuncs()  # what a normal exit runs first: trackers, multiprocessing's children, temp dirs
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

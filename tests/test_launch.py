@@ -1,5 +1,6 @@
 """A multi-process launch that would silently run as one process is refused, with the command that works."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +53,32 @@ def test_accelerate_cpu_launch_with_two_processes_fails_before_any_work(tmp_path
     assert proc.returncode != 0
     assert "asked for 2 processes but started one" in proc.stderr + proc.stdout, proc.stderr[-2000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing ran
+
+
+_ENDING = """
+import atexit, logging, sys
+from flowgrpo.launch import end_launched_process
+atexit.register(lambda: open(sys.argv[1], "w").write("exit handlers ran"))
+logging.basicConfig(filename=sys.argv[2], level=logging.INFO)
+logging.getLogger("run").info("the last line of the run")
+sys.stdout.write("unflushed output")
+end_launched_process()
+print("after the end")  # a launched process never gets here
+raise SystemExit(3)      # nor here (a single process does)
+"""
+
+
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_a_finished_launched_process_ends_at_once_with_its_handlers_run(tmp_path, world_size):
+    """In a process of a multi-process launch, ``end_launched_process`` runs the exit and log handlers, flushes the
+    output and exits 0 without returning (no interpreter teardown); in a single process it returns."""
+    env = {**os.environ, "WORLD_SIZE": world_size, "PYTHONPATH": str(REPO)}
+    marker, logfile = tmp_path / "atexit.txt", tmp_path / "run.log"
+    proc = subprocess.run([sys.executable, "-c", _ENDING, str(marker), str(logfile)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert marker.read_text() == "exit handlers ran"
+    assert "the last line of the run" in logfile.read_text()
+    if world_size == "2":
+        assert (proc.returncode, proc.stdout) == (0, "unflushed output"), proc.stderr
+    else:
+        assert proc.returncode == 3 and proc.stdout == "unflushed outputafter the end\n", proc.stderr

@@ -32,23 +32,18 @@ def save_tiny_clip(path: Path) -> Path:
 
 
 def _run_then_leave_the_group(fn, *args) -> None:
-    """``fn(*args)`` in a launched process, then a clean exit that skips the interpreter's teardown. A process that
-    leaves with its gloo group alive, or that tears the group down itself, can abort in the backend's C++ teardown
-    (SIGABRT, "terminate called without an active exception") after its work is done: it failed a launch now and then,
-    once even after ``destroy_process_group``. After a clean return the processes meet first, so none leaves while a
-    peer is still inside the last collective, and then each ends with ``os._exit(0)``: no destructor left to abort.
-    An exception still propagates (the launcher reports its traceback)."""
-    import os
-    import sys
-
+    """``fn(*args)`` in a launched process, then the end of a finished launched process that ``train.py`` has
+    (:func:`flowgrpo.launch.end_launched_process`: exit 0 without the interpreter's teardown, where gloo can abort with
+    SIGABRT after the work is done). The processes meet first, so none leaves while a peer is still inside the last
+    collective. An exception still propagates (the launcher reports its traceback)."""
     import torch.distributed as dist
+
+    from flowgrpo.launch import end_launched_process
 
     fn(*args)
     if dist.is_initialized():
         dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_launched_process()
 
 
 def run_processes(fn, *args, num_processes: int = 2) -> None:
