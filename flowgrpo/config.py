@@ -267,6 +267,7 @@ class TrainerConfig:
     prompts_per_iteration: int = _knob(8, ge=1)  # N, global: distinct prompts per iteration
     group_size: int = _knob(8, ge=2)  # G: samples per prompt (advantages are relative within a group)
     rollout_batch_size: Optional[int] = _knob(None, ge=1)  # global samples per rollout forward; null = all N*G at once
+    offload_kept_context: bool = False  # streaming models: the KV caches an update rescores under wait in host memory
     train_batch_size: int = _knob(16, ge=1)  # global samples per training forward (split over processes)
     gradient_accumulation_steps: int = _knob(2, ge=1)  # micro-batches per optimizer update (each spans its K steps)
     inner_epochs: int = _knob(1, ge=1)  # passes over one iteration's rollouts
@@ -505,6 +506,11 @@ def _stream_checks(cfg: DictConfig, errors: list[str]) -> None:
         return
     (m, a), s = pair, cfg.get("sampler")
     errors.extend(_pairing_errors(cfg))
+    t = cfg.get("trainer")
+    if t is not None and t.get("offload_kept_context") and m.family != STREAM_FAMILY:
+        errors.append(f"trainer.offload_kept_context=true: only a streaming model (model.family={STREAM_FAMILY!r}) "
+                      f"keeps context for its update (the KV caches of the trained blocks), and "
+                      f"model.family={m.family!r} keeps none; set trainer.offload_kept_context=false")
     if not (m.family == STREAM_FAMILY and ALGORITHMS[a.name].streaming) or s is None or m.get("stream") is None:
         return
     steps = m.stream.num_steps

@@ -219,7 +219,8 @@ class MemoryTracker(TorchDispatchMode):
     is created); tensors made before tracking (parameters, buffers) are registered with :meth:`track`; a gradient
     moves to ``gradients`` when autograd accumulates it (``register_post_accumulate_grad_hook`` on trained parameters
     only). The split at the highest total is kept (:attr:`peak_split`), with the module running then
-    (:attr:`peak_where`).
+    (:attr:`peak_where`). A storage made in host memory (label ``host``) or moved there (:meth:`to_host`): what
+    ``trainer.offload_kept_context`` offloads) is counted in :attr:`host` (its peak: :attr:`host_peak`), not the GPU's.
     """
 
     def __init__(self):
@@ -234,6 +235,7 @@ class MemoryTracker(TorchDispatchMode):
         self.label = "other"
         self.where: list[str] = []
         self._hooks: list = []
+        self.host = self.host_peak = 0
 
     # -- registration
     def _key(self, t: torch.Tensor):
@@ -254,6 +256,10 @@ class MemoryTracker(TorchDispatchMode):
         category = category or self.label
         self.live[key] = [nbytes, category, (tuple(t.shape), str(t.dtype), self.where[-1] if self.where else "")]
         self._refs[key] = weakref.ref(storage, functools.partial(self._free, key))
+        if category == "host":  # made in host memory (labelled("host")): not the GPU's
+            self.host += nbytes
+            self.host_peak = max(self.host_peak, self.host)
+            return
         self.by_category[category] += nbytes
         self.current += nbytes
         if self.current > self.peak:
@@ -276,6 +282,22 @@ class MemoryTracker(TorchDispatchMode):
         self.by_category[category] += entry[0]
         entry[1] = category
 
+    def to_host(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage in host memory, not the GPU's (``flowgrpo.offload``'s observer in a plan)."""
+        key, _ = self._key(t)
+        if key is None:
+            return
+        if key not in self.live:
+            self.track(t)
+        entry = self.live[key]
+        if entry[1] == "host":
+            return
+        self.by_category[entry[1]] -= entry[0]
+        self.current -= entry[0]
+        entry[1] = "host"
+        self.host += entry[0]
+        self.host_peak = max(self.host_peak, self.host)
+
     def track_module(self, module: torch.nn.Module, category: str = "weights") -> None:
         for t in list(module.parameters()) + list(module.buffers()):
             self.track(t, category)
@@ -288,7 +310,11 @@ class MemoryTracker(TorchDispatchMode):
     def _free(self, key, _ref=None) -> None:
         entry = self.live.pop(key, None)
         self._refs.pop(key, None)
-        if entry is not None:
+        if entry is None:
+            return
+        if entry[1] == "host":
+            self.host -= entry[0]
+        else:
             self.by_category[entry[1]] -= entry[0]
             self.current -= entry[0]
 
@@ -303,6 +329,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.current
+        self.host_peak = self.host
         self.peak_split = dict(self.by_category)
         self.peak_where = ""
 
@@ -582,10 +609,13 @@ class PhasePlan:
     where: str
     flops: float
     note: str = ""
+    host_bytes: int = 0  # the most held in host memory during the phase (trainer.offload_kept_context)
 
     def row(self) -> str:
         parts = " ".join(f"{k} {self.split.get(k, 0) / GiB:6.2f}" for k in CATEGORIES)
-        return f"{self.name:<8} peak {self.peak_bytes / GiB:7.2f} GiB | {parts} | {self.flops / 1e12:9.1f} TFLOP | at {self.where}"
+        host = f" | host {self.host_bytes / GiB:.2f} GiB" if self.host_bytes else ""
+        return (f"{self.name:<8} peak {self.peak_bytes / GiB:7.2f} GiB | {parts} | {self.flops / 1e12:9.1f} TFLOP | "
+                f"at {self.where}{host}")
 
 
 @dataclass
@@ -758,6 +788,7 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
     from .finetune import EMA, frozen_reference, prepare_trainable
     from .models import FlowAdapter, StreamAdapter
     from .models.causal_wan import accelerator_attention
+    from .offload import observe_host_copies
     from .rollout import SamplingModel
 
     t0 = time.time()
@@ -776,6 +807,8 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
     stack = contextlib.ExitStack()
     mode = stack.enter_context(fake_mode()) if fake else None
     stack.enter_context(accelerator_attention())  # a streaming model's masked attention as on the GPU
+    # what trainer.offload_kept_context keeps in host memory, made there
+    stack.enter_context(observe_host_copies(tracker.to_host, scope=lambda: tracker.labelled("host")))
     notes: list[str] = []
     try:
         built = (build or build_pipeline)(cfg.model)
@@ -862,7 +895,8 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
                               metadata=None if metadata is None else [m for m in metadata for _ in range(t.group_size)],
                               global_rows=rows, cond=cond, plan=local_plan)
                 sampling = SamplingModel(adapter, guidance=g, size=kw["size"], autocast=autocast)
-                engine = algorithm.make_rollout(sampling, seed=seed, batch_size=bp.rollout_batch_per_process)
+                engine = algorithm.make_rollout(sampling, seed=seed, batch_size=bp.rollout_batch_per_process,
+                                                offload_context=t.offload_kept_context)
                 with algorithm.sampling_policy(ctx):  # as Trainer.rollout: the weights the algorithm samples with
                     batch = engine(batch, 0)
                 with torch.no_grad():  # the trainer's score phase: decode every rollout, keep the pixels
@@ -1039,7 +1073,8 @@ class _Phase:
         split = dict(self.tracker.peak_split)
         split["other"] = split.get("other", 0) + self.ddp_bytes
         self.results.append(PhasePlan(self.name, self.tracker.peak + self.ddp_bytes, split, self.tracker.peak_where,
-                                      float(self.counter.get_total_flops()) + self.extra_flops, self.note))
+                                      float(self.counter.get_total_flops()) + self.extra_flops, self.note,
+                                      host_bytes=self.tracker.host_peak))
         return False
 
 

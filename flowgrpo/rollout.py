@@ -38,6 +38,7 @@ import torch
 
 from samplers import chunked_rollout, ragged_rollout
 
+from .offload import HostCopy
 from .seeding import NOISE_STREAM, SDE_STREAM, seeded_generator
 
 if TYPE_CHECKING:
@@ -93,14 +94,17 @@ class Rollout:
         batch_size: samples per batched forward on this process (``BatchPlan.rollout_batch_per_process``).
         between_chunks: called before each chunk of rows after the first; raising there abandons the rollout
             (the trainer honours a stop request so).
+        offload_context: keep the conditioning an update rescores under (a streaming model's KV caches) in host
+            memory until the update reads it (``trainer.offload_kept_context``; :mod:`flowgrpo.offload`).
     """
 
     def __init__(self, model: SamplingModel, *, seed: int, batch_size: int,
-                 between_chunks: Callable[[], None] | None = None):
+                 between_chunks: Callable[[], None] | None = None, offload_context: bool = False):
         self.model = model
         self.seed = int(seed)
         self.batch_size = int(batch_size)
         self.between_chunks = between_chunks
+        self.offload_context = bool(offload_context)
 
     def __call__(self, batch: "Batch", iteration: int) -> "Batch":
         raise NotImplementedError
@@ -206,7 +210,8 @@ class PlanRollout(Rollout):
         model's cache by ``adapter.commit``. The update rescores a trained transition under the context it was
         sampled with, so a block's conditioning (text and KV cache) is kept for the rows that train a step of that
         block, and only for them (``batch.chunk_conds[c]`` over the rows ``batch.chunk_rows[c]`` names): every
-        block's cache of every stream would cost a cache per block."""
+        block's cache of every stream would cost a cache per block. With ``offload_context`` what is kept waits in
+        host memory (:func:`flowgrpo.offload.to_host`)."""
         plan = batch.plan
         n = len(batch.prompts)
         chunk = self.batch_size
@@ -220,7 +225,10 @@ class PlanRollout(Rollout):
 
             def keep(c, cond, rows=rows):
                 kept = trains[rows, c].nonzero().squeeze(1)
-                return None if kept.numel() == 0 else (rows[kept], cond if kept.numel() == len(rows) else cond[kept])
+                if kept.numel() == 0:
+                    return None
+                cond = cond if kept.numel() == len(rows) else cond[kept]
+                return rows[kept], HostCopy.of(cond) if self.offload_context else cond
 
             traj = chunked_rollout(self.model.velocity_fn(None), self.model.adapter.commit, noise[rows],
                                    plan.sigmas, plan.sde_mask[rows], cond=batch.cond[rows], kernel=plan.kernel,
@@ -293,7 +301,10 @@ class StoredTransitions:
                     raise ValueError(f"block {c}'s conditioning was not kept for rows "
                                      f"{self.rows[sel][rows < 0].tolist()}: the rollout keeps it for the rows that "
                                      "train a step of the block (plan.train_mask)")
-            part = velocity(x[sel], self.sigma[sel], batch.chunk_conds[c][rows])
+            cond = batch.chunk_conds[c][rows]
+            if isinstance(cond, HostCopy):  # kept in host memory by an offloading rollout: brought back for the call
+                cond = cond.to(x.device)
+            part = velocity(x[sel], self.sigma[sel], cond)
             if v is None:
                 v = part.new_empty(x.shape)
             v[sel] = part

@@ -144,6 +144,31 @@ def test_identity_routing_gives_every_branch_the_reference_run(tmp_path, monkeyp
     assert same < 5e-3 and moved > 50 * same, (same, moved)
 
 
+def test_offloaded_fork_states_replay_as_the_kept_ones(rolled):
+    """trainer.offload_kept_context=true: each group's state at its fork waits as a host copy (made on the CPU as an
+    observer asks, as a plan does), and the replay from it scores the branches bit for bit as from the kept one."""
+    from flowgrpo.offload import HostCopy, observe_host_copies
+
+    trainer, batch, _ = rolled
+    engine, ctx = trainer.rollout_engine, trainer.policy
+    copies = []
+    engine.offload_context = True
+    try:
+        with observe_host_copies(copies.append):
+            again = trainer.rollout(trainer.plan(0), 0)
+    finally:
+        engine.offload_context = False
+    states = again.extras["fork_cond"]
+    assert copies and all(isinstance(c, HostCopy) for c in states)
+    assert [c.parts[0].cache.positions for c in states] == [c.cache.positions for c in batch.extras["fork_cond"]]
+    assert torch.equal(again.latents, batch.latents)
+    ctx.iteration, ctx.epoch = 0, 0
+    rows = torch.tensor([0, 1, 3])
+    with torch.no_grad():
+        assert torch.equal(trainer.algorithm.replay_scores(ctx, again, rows, grad=False),
+                           trainer.algorithm.replay_scores(ctx, batch, rows, grad=False))
+
+
 def test_replay_policy_ratio_and_update(rolled):
     trainer, batch, _ = rolled
     algo, ctx = trainer.algorithm, trainer.policy

@@ -267,3 +267,48 @@ def test_streaming_presets_build_at_real_size_without_checkpoints():
     assert adapter.pipe.transformer.blocks[0].attn1.to_q.weight.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="model.stream.checkpoint is required"):
         load_stream_pipeline(cfg.model)
+
+
+def test_tracker_counts_host_copies_apart_from_the_gpu():
+    """A storage made in host memory (what ``flowgrpo.offload`` reports to a plan) is counted apart from the GPU's
+    memory and its categories, its peak kept per phase; freeing it frees the host's count; one moved there (joined
+    rows) leaves the GPU's count."""
+    from flowgrpo.offload import observe_host_copies, to_device, to_host
+
+    tracker = MemoryTracker()
+    with tracker, observe_host_copies(tracker.to_host, scope=lambda: tracker.labelled("host")):
+        a = torch.zeros(256)  # 1 KiB
+        tracker.reset_peak()
+        b = to_host(a)  # a copy, although both live on the CPU: the plan counts it on the host, made there
+        assert b.data_ptr() != a.data_ptr() and (tracker.current, tracker.host, tracker.host_peak) == (1024, 1024, 1024)
+        assert tracker.peak == 1024  # never counted on the GPU, not even while it was being made
+        assert sum(tracker.by_category.values()) == tracker.current
+        del a
+        c = to_device(b, "cpu")  # brought back for the work that reads it: counted on the GPU again
+        assert c.data_ptr() != b.data_ptr() and (tracker.current, tracker.host) == (1024, 1024)
+        del b
+        assert (tracker.host, tracker.host_peak) == (0, 1024)
+        tracker.reset_peak()
+        assert tracker.host_peak == 0 and tracker.current == 1024
+        d = torch.ones(256)
+        tracker.to_host(d)
+        assert (tracker.current, tracker.host) == (1024, 1024) and sum(tracker.by_category.values()) == 1024
+    assert to_host(c) is c  # no observer, on the CPU: nothing to copy
+
+
+@pytest.mark.slow
+def test_offloaded_context_leaves_the_gpu_for_host_memory():
+    """trainer.offload_kept_context=true planned: the trained blocks' caches are counted in host memory from the
+    rollout to the update, the rollout's GPU peak falls by at least the share they held there, the update brings a
+    micro-batch's share back, and the computation (FLOPs) is the same."""
+    overrides, frames, switches, _ = STREAMS["stream_grpo"]
+    base = [*overrides, f"model.num_frames={frames}", "trainer.prompts_per_iteration=1",
+            "trainer.gradient_accumulation_steps=1"]
+    kept, offloaded = (plan_run(_compose([*base, f"trainer.offload_kept_context={o}"]), num_processes=1,
+                                switch_frames=switches, phases=("rollout", "update")) for o in ("false", "true"))
+    (r0, u0), (r1, u1) = kept.phases, offloaded.phases
+    assert r0.host_bytes == u0.host_bytes == 0 < r1.host_bytes
+    assert u1.host_bytes >= r1.host_bytes * 0.99  # still held while the update reads it
+    assert r1.peak_bytes < r0.peak_bytes and u1.peak_bytes <= u0.peak_bytes
+    assert r0.flops == r1.flops and u0.flops == u1.flops
+    assert "host" in r1.row() and "host" not in r0.row()

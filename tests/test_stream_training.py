@@ -186,6 +186,46 @@ def test_stream_grpo_rescores_every_trained_transition_exactly(tmp_path):
     assert (after - stored).abs().max() > 1e3 * (again - stored).abs().max()
 
 
+def test_offloaded_context_is_rescored_as_the_kept_one(tmp_path):
+    """trainer.offload_kept_context=true: the trained blocks' conditioning waits as host copies (made here although
+    the run is on the CPU: an observer asks for them, as a plan does) and the update's rescored log-probs equal, bit
+    for bit, those under the conditioning kept in place; the same draws, so the same rollout."""
+    from flowgrpo.offload import HostCopy, observe_host_copies
+    from flowgrpo.trainer import Trainer
+
+    trainer = Trainer(make_cfg(tmp_path, "trainer.offload_kept_context=true", "trainer.prompts_per_iteration=1",
+                                 "trainer.train_batch_size=2"), tmp_path)
+    assert trainer.rollout_engine.offload_context
+    copies = []
+
+    def rescored(offload):
+        trainer.rollout_engine.offload_context = offload
+        batch = trainer.rollout(trainer.plan(0), 0)
+        steps = trainer.transitions(batch, 0, 0)
+        rows = torch.arange(len(batch.prompts))
+        return batch, torch.stack([trainer.algorithm.transition_log_prob(trainer.policy, batch, rows, steps[:, j])
+                                   for j in range(steps.shape[1])], 1)
+
+    with observe_host_copies(copies.append):
+        offloaded, log_probs = rescored(True)
+    kept, reference = rescored(False)
+    held = [c for c in offloaded.chunk_conds if c is not None]
+    assert held and all(isinstance(c, HostCopy) for c in held)
+    assert not any(isinstance(c, HostCopy) for c in kept.chunk_conds)
+    # every tensor of every held block was copied (the caches' keys and values, the text embeddings; a block's rows
+    # sampled in several rollout chunks are copied chunk by chunk, then joined)
+
+    def tensors(cond):
+        return [t for t in (cond.text, cond.negative, cond.past, *cond.cache.keys, *cond.cache.values)
+                if t is not None]
+
+    assert len(copies) >= sum(len(tensors(p)) for c in held for p in c.parts) and all(t.device.type == "cpu" for t in copies)
+    last = max(c for c, h in enumerate(offloaded.chunk_conds) if h is not None)
+    assert not {t.untyped_storage().data_ptr() for t in tensors(offloaded.chunk_conds[last].parts[0])} & \
+        {t.untyped_storage().data_ptr() for t in tensors(kept.chunk_conds[last])}
+    assert torch.equal(offloaded.latents, kept.latents) and torch.equal(log_probs, reference)
+
+
 def test_a_streaming_run_resumes_exactly(tmp_path):
     """Two iterations straight == one, a checkpoint, a resume and one more (LoRA weights and rewards). Kept cheap:
     one prompt per iteration, 4 steps per block without CFG, and the runs step without fit() (whose resume path the
@@ -219,6 +259,8 @@ def test_a_streaming_run_resumes_exactly(tmp_path):
      r"sampler.num_steps=4: .* model.stream.num_steps=10"),
     (["experiment=stream_grpo_shapes", "sampler=sde"], "sampler.kernel='flow_grpo'"),
     (["experiment=stream_grpo_shapes", "sampler.shift=3.0"], "sampler.shift=3.0"),
+    (["trainer.offload_kept_context=true"], r"trainer.offload_kept_context=true: only a streaming model .* "
+                                             r"model.family='sd3' keeps none"),
 ])
 def test_streaming_models_train_only_with_streaming_algorithms(overrides, message):
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):

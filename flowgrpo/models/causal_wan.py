@@ -101,22 +101,23 @@ class CacheState:
         """A snapshot: tensors are shared (cache updates never write in place), lists are not."""
         return CacheState(list(self.keys), list(self.values), list(self.positions))
 
-    def _map(self, fn) -> "CacheState":
+    def map_tensors(self, fn) -> "CacheState":
+        """The cache with ``fn`` applied to every key and value tensor (moved, copied, indexed)."""
         return CacheState([None if t is None else fn(t) for t in self.keys],
                           [None if t is None else fn(t) for t in self.values], list(self.positions))
 
     def repeat_interleave(self, repeats: int) -> "CacheState":
         """Each batch row ``repeats`` times in a row (fork a batch of prefixes into groups of branches)."""
-        return self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+        return self.map_tensors(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def index_rows(self, rows) -> "CacheState":
         """The cache of a subset of batch rows."""
-        return self._map(lambda t: t[rows])
+        return self.map_tensors(lambda t: t[rows])
 
     def index_frames(self, slots: Sequence[int]) -> "CacheState":
         """The cache of a subset of cached frames (by slot, kept in position order)."""
         idx = torch.as_tensor(list(slots), dtype=torch.long)
-        out = self._map(lambda t: t[:, idx.to(t.device)])
+        out = self.map_tensors(lambda t: t[:, idx.to(t.device)])
         out.positions = [self.positions[i] for i in idx.tolist()]
         return out
 

@@ -35,7 +35,6 @@ from ..registry import TEMPORAL_FACTORS
 from .base import TransformerAccess
 from .causal_wan import CacheState, teacher_forcing_mask
 from .stream_pipeline import StreamingWanPipeline
-from .wan import WanAdapter
 
 __all__ = ["StreamCond", "StreamAdapter", "ForcingRun"]
 
@@ -116,6 +115,17 @@ class StreamCond:
                        segments=join([c.segments for c in items]), cache=join_caches([c.cache for c in items]),
                        negative_cache=join_caches([c.negative_cache for c in items]),
                        past=join([c.past for c in items]))
+
+    def map_tensors(self, fn) -> "StreamCond":
+        """The conditioning with ``fn`` applied to every tensor it holds on the model's device (the prompt
+        embeddings, the caches, the clean blocks so far); ``segments`` (host indices) is shared."""
+
+        def apply(t):
+            return None if t is None else fn(t)
+
+        return replace(self, text=fn(self.text), negative=apply(self.negative), cache=self.cache.map_tensors(fn),
+                       negative_cache=None if self.negative_cache is None else self.negative_cache.map_tensors(fn),
+                       past=apply(self.past))
 
     def repeat_interleave(self, repeats: int) -> "StreamCond":
         """Each row ``repeats`` times in a row (G members of a group)."""

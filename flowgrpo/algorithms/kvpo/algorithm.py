@@ -13,6 +13,7 @@ import torch
 
 from ...config import AlgoConfig
 from ...knobs import knob
+from ...offload import HostCopy
 from ...rollout import Rollout, SamplingModel
 from ..base import Algorithm, Batch, GalleryNotes, Scores, UpdateContext
 from ..old_policy import OldPolicy
@@ -218,6 +219,8 @@ class KVPO(Algorithm):
             blocks = list(range(f, min(f + count, self.num_chunks)))
             G1 = batch.plan.group_size
             cond = type(batch.extras["fork_cond"][0]).cat([batch.extras["fork_cond"][int(i) // G1] for i in r])
+            if isinstance(cond, HostCopy):  # kept in host memory by the rollout (trainer.offload_kept_context)
+                cond = cond.to(batch.latents.device)
             preds = []
             for k in blocks:
                 steps = []

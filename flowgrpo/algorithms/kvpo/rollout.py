@@ -10,6 +10,7 @@ import torch
 
 from samplers import chunked_rollout, stream_sde_mask
 
+from ...offload import HostCopy
 from ...rollout import Rollout, SamplingModel
 from ...seeding import ALGO_STREAM, seeded_generator
 from ..base import Batch
@@ -32,8 +33,9 @@ class BranchedRollout(Rollout):
     ``window``, which the long-video reward scores on their own (``window/<name>``).
 
     Records every block's step inputs (``latents``) and clean predictions (``extras["x0"]``), and each group's
-    state before its fork (``extras["fork_cond"]``: the replay starts there). Only those states are kept, not one
-    per block: at Wan2.1-1.3B size a block's KV cache is gigabytes. Branches stream ``algo.branch_batch`` at a time
+    state before its fork (``extras["fork_cond"]``: the replay starts there; in host memory with
+    ``offload_context``). Only those states are kept, not one per block: at Wan2.1-1.3B size a block's KV cache is
+    gigabytes. Branches stream ``algo.branch_batch`` at a time
     (each holds a KV cache).
 
     The velocity is the one the update replays with (the training guidance, ``Needs.training_guidance``), so a
@@ -43,8 +45,8 @@ class BranchedRollout(Rollout):
 
     Args:
         algorithm: the :class:`KVPO` whose plans it samples (its routing options and ``routing_plan``).
-        model, seed, batch_size, between_chunks: :class:`~flowgrpo.rollout.Rollout`'s (the branches are batched by
-            ``algo.branch_batch``, not ``batch_size``).
+        model, seed, batch_size, between_chunks, offload_context: :class:`~flowgrpo.rollout.Rollout`'s (the
+            branches are batched by ``algo.branch_batch``, not ``batch_size``).
     """
 
     def __init__(self, algorithm: "KVPO", model: SamplingModel, **kwargs: Any) -> None:
@@ -149,11 +151,12 @@ class BranchedRollout(Rollout):
         batch.latents, batch.log_probs = latents, log_probs
         batch.final = batch.latents[:, :, -1]
         batch.chunk_conds = None
+        keep = HostCopy.of if self.offload_context else (lambda cond: cond)  # the replay's start, for the update
         batch.nfe = (groups * K + G * sum(K - f for f in forks)) * S
         fork_rows = torch.tensor([forks[r // G1] for r in range(n)], dtype=torch.long)
         batch.extras.update({"x0": x0, "routing": plans, "fork_block": fork_rows,
                              "fork_segment": segments[torch.arange(n), fork_rows],
-                             "fork_cond": [at_fork[f][p] for p, f in enumerate(forks)],
+                             "fork_cond": [keep(at_fork[f][p]) for p, f in enumerate(forks)],
                              "temporal_factor": adapter.temporal_factor})
         return batch
 
