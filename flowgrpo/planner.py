@@ -662,6 +662,8 @@ class RunPlan:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        for phase in d["phases"]:  # as the table reads them
+            phase.update(peak_gib=round(phase["peak_bytes"] / GiB, 2), host_gib=round(phase["host_bytes"] / GiB, 2))
         d.update(peak_bytes=self.peak_bytes, peak_gib=round(self.peak_bytes / GiB, 2), peak_phase=self.peak_phase,
                  headroom_gib=round(self.headroom_bytes / GiB, 2), fits=self.fits,
                  projected_seconds_per_iteration=round(self.projected_seconds, 1))

@@ -576,11 +576,18 @@ def run_plans_table() -> str:
                      f"**{plan['peak_gib']:.1f}** in {plan['peak_phase']} ({parts})",
                      " / ".join(f"{phases[k]:.1f}" for k in ("rollout", "update", "eval") if k in phases),
                      f"{plan['headroom_gib']:.1f}{'' if plan['fits'] else ' (does not fit)'}",
+                     _host_gib(plan),
                      f"{plan['flops_per_iteration'] / 1e15:.1f}",
                      f"{plan['projected_seconds_per_iteration']:.0f} at {plan['mfu']:.0%}"])
     return _table(["preset", "GPUs", "per-GPU peak, GiB (plan)", "rollout / update / eval peaks, GiB",
-                   "headroom, GiB", "PFLOP per iteration per GPU", "projected s / iteration (share of peak FLOP/s)"],
-                  rows)
+                   "headroom, GiB", "host memory per GPU, GiB", "PFLOP per iteration per GPU",
+                   "projected s / iteration (share of peak FLOP/s)"], rows)
+
+
+def _host_gib(plan: dict) -> str:
+    """The most a plan keeps in host memory per GPU (``trainer.offload_kept_context``), or ``–``."""
+    host = max(p.get("host_bytes", 0) for p in plan["phases"])
+    return f"{host / 2**30:.1f}" if host else "–"
 
 
 def video_iteration_cost_table() -> str:
@@ -879,6 +886,35 @@ def taros_shortcut_sweep_table() -> str:
         at12 = _point(arms[arm], "eval/video_geneval/frozen", 12)["mean"]
         rows.append([label, f"{at12:.3f}", *(_final(arms[arm], m, gain=True) for m in TAROS_SHORTCUT_METRICS)])
     return _table(["weighted sum of", "frozen share at 12", *(f"{h} at 24" for h in TAROS_SHORTCUT_HEADER)], rows)
+
+
+TAROS_ARMS = [("weighted sum", "sum"), ("per-reward group-normalised", "per_reward"), ("TaRoS", "taros"),
+              ("TaRoS, sparsity weighting alone (τ = 0)", "no_saturation"),
+              ("TaRoS, saturation floor alone (κ = 0)", "no_sparsity")]
+
+
+def _quarters(arm: dict, key: str) -> str:
+    """``first → last`` quarter means of a training key over an arm's seeds (empty where the arm does not log it)."""
+    stats = arm.get(key)
+    if not stats or stats["first_quarter"] is None or stats["first_quarter"].get("mean") is None:
+        return ""
+    return f"{stats['first_quarter']['mean']:.3f} → {stats['last_quarter']['mean']:.3f}"
+
+
+def taros_shortcut_table() -> str:
+    """The aggregators on the composite with a shortcut: held-out task metrics and hack indicator at the end (mean ±
+    std over seeds, change from the base model), and consistency's saturation inside groups over training."""
+    arms = load("taros_shortcut.json")["arms"]
+    base = next(iter(arms.values()))["base"]
+    rows = [["base model", *(f"{base[m]:.3f}" for m in TAROS_SHORTCUT_METRICS), "", "", ""]]
+    for label, arm in TAROS_ARMS:
+        a = arms[arm]
+        rows.append([f"{label} ({len(a['seeds'])} seeds)", *(_final(a, m, gain=True) for m in TAROS_SHORTCUT_METRICS),
+                     _quarters(a, "groups/video_consistency/zero_std_group_fraction"),
+                     _quarters(a, "taros/video_consistency/saturation"), f"{a['seconds']['mean'] / 60:.0f}"])
+    return _table(["aggregator", *(f"{h} at 24" for h in TAROS_SHORTCUT_HEADER),
+                   "consistency constant in a group (first → last quarter)",
+                   "consistency σ/σ̄ in groups (first → last quarter)", "minutes"], rows)
 
 
 def index_results() -> str:

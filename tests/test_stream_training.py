@@ -141,11 +141,14 @@ def test_stream_grpo_rescores_every_trained_transition_exactly(tmp_path):
     """With unchanged weights the update's log π of every trained re-noise transition, rescored under the cache its
     block was sampled with, is the rollout's (CFG and KL term included): to float rounding, as a micro-batch's rows
     are rescored block by block in sub-batches whose size differs from the rollout's (CPU matmuls round by batch
-    size), so the per-element ratio is 1 within 1e-6. After one update the LoRA weights have moved and so have the
-    log-probs."""
+    size), so the per-element ratio is 1 within 1e-6. With trainer.offload_kept_context=true the kept context waits
+    as host copies (made here on the CPU because an observer asks for them, as a plan does) and is rescored bit for
+    bit as in place. After one update the LoRA weights have moved and so have the log-probs."""
+    from flowgrpo.offload import HostCopy, observe_host_copies
     from flowgrpo.trainer import Trainer
 
-    trainer = Trainer(make_cfg(tmp_path, "algo.kl_beta=0.01"), tmp_path)
+    trainer = Trainer(make_cfg(tmp_path, "algo.kl_beta=0.01", "trainer.offload_kept_context=true"), tmp_path)
+    assert trainer.rollout_engine.offload_context
     assert "reward: long_video v2 (score=mean);" in trainer.banner()  # the log names the reward's rules
     jobs = trainer.eval_jobs()
     key = trainer.held_out_key(jobs)
@@ -173,6 +176,16 @@ def test_stream_grpo_rescores_every_trained_transition_exactly(tmp_path):
     stored = batch.log_probs.flatten(1).gather(1, steps)
     numel = batch.latents[0, 0, 0].numel()
     assert torch.allclose(torch.exp((again - stored) / numel), torch.ones_like(again), rtol=0, atol=1e-6)
+    copies = []
+    with observe_host_copies(copies.append):
+        copied = trainer.rollout(trainer.plan(0), 0)
+    held = [c for c in copied.chunk_conds if c is not None]
+    assert held and all(isinstance(c, HostCopy) for c in held)
+    assert all(t.device.type == "cpu" for t in copies) and len(copies) >= sum(
+        2 * len(p.cache.keys) for c in held for p in c.parts if p.cache.keys[0] is not None)  # keys and values
+    assert torch.equal(copied.latents, batch.latents) and torch.equal(torch.stack(
+        [trainer.algorithm.transition_log_prob(trainer.policy, copied, rows, steps[:, j])
+         for j in range(steps.shape[1])], 1), again)
     trainer.score(batch)
     assert batch.images.shape == (4, 49, 3, 64, 64)
     before = {n: p.detach().clone() for n, p in trainer.unwrapped.named_parameters() if p.requires_grad}
@@ -184,46 +197,6 @@ def test_stream_grpo_rescores_every_trained_transition_exactly(tmp_path):
     after = torch.stack([trainer.algorithm.transition_log_prob(trainer.policy, batch, rows, steps[:, j])
                          for j in range(steps.shape[1])], 1)
     assert (after - stored).abs().max() > 1e3 * (again - stored).abs().max()
-
-
-def test_offloaded_context_is_rescored_as_the_kept_one(tmp_path):
-    """trainer.offload_kept_context=true: the trained blocks' conditioning waits as host copies (made here although
-    the run is on the CPU: an observer asks for them, as a plan does) and the update's rescored log-probs equal, bit
-    for bit, those under the conditioning kept in place; the same draws, so the same rollout."""
-    from flowgrpo.offload import HostCopy, observe_host_copies
-    from flowgrpo.trainer import Trainer
-
-    trainer = Trainer(make_cfg(tmp_path, "trainer.offload_kept_context=true", "trainer.prompts_per_iteration=1",
-                                 "trainer.train_batch_size=2"), tmp_path)
-    assert trainer.rollout_engine.offload_context
-    copies = []
-
-    def rescored(offload):
-        trainer.rollout_engine.offload_context = offload
-        batch = trainer.rollout(trainer.plan(0), 0)
-        steps = trainer.transitions(batch, 0, 0)
-        rows = torch.arange(len(batch.prompts))
-        return batch, torch.stack([trainer.algorithm.transition_log_prob(trainer.policy, batch, rows, steps[:, j])
-                                   for j in range(steps.shape[1])], 1)
-
-    with observe_host_copies(copies.append):
-        offloaded, log_probs = rescored(True)
-    kept, reference = rescored(False)
-    held = [c for c in offloaded.chunk_conds if c is not None]
-    assert held and all(isinstance(c, HostCopy) for c in held)
-    assert not any(isinstance(c, HostCopy) for c in kept.chunk_conds)
-    # every tensor of every held block was copied (the caches' keys and values, the text embeddings; a block's rows
-    # sampled in several rollout chunks are copied chunk by chunk, then joined)
-
-    def tensors(cond):
-        return [t for t in (cond.text, cond.negative, cond.past, *cond.cache.keys, *cond.cache.values)
-                if t is not None]
-
-    assert len(copies) >= sum(len(tensors(p)) for c in held for p in c.parts) and all(t.device.type == "cpu" for t in copies)
-    last = max(c for c, h in enumerate(offloaded.chunk_conds) if h is not None)
-    assert not {t.untyped_storage().data_ptr() for t in tensors(offloaded.chunk_conds[last].parts[0])} & \
-        {t.untyped_storage().data_ptr() for t in tensors(kept.chunk_conds[last])}
-    assert torch.equal(offloaded.latents, kept.latents) and torch.equal(log_probs, reference)
 
 
 def test_a_streaming_run_resumes_exactly(tmp_path):
