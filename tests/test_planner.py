@@ -216,9 +216,9 @@ STREAMS = {  # tiny twins of the streaming presets: (overrides, pixel frames, pr
                     "trainer.gradient_accumulation_steps=2"], 17, (9,), ("rollout", "update")),
     # a group of 2 routed branches + the reference run, split over micro-batches (the partial-group path), two
     # branches streamed at a time, forks after the switch
-    "kvpo": (["experiment=kvpo_shapes", "model=causal_wan_shapes_4step", "trainer.group_size=3",
-              "trainer.train_batch_size=2", "trainer.gradient_accumulation_steps=3", "algo.branch_batch=2"],
-             41, (21,), ("rollout", "update")),
+    "kvpo": (["experiment=kvpo_shapes", "model=causal_wan_shapes_4step", "trainer.prompts_per_iteration=1",
+              "trainer.group_size=3", "trainer.train_batch_size=1", "trainer.gradient_accumulation_steps=3",
+              "algo.branch_batch=2"], 41, (21,), ("rollout", "update")),
 }
 
 
@@ -231,7 +231,7 @@ def test_streaming_plan_equals_real_run_at_tiny_size(name):
     from flowgrpo.models import load_stream_pipeline
 
     overrides, frames, switches, phases = STREAMS[name]
-    cfg = _compose([*overrides, f"model.num_frames={frames}", "trainer.prompts_per_iteration=2",
+    cfg = _compose(["trainer.prompts_per_iteration=2", *overrides, f"model.num_frames={frames}",
                     "model.gradient_checkpointing=true"])
     planned = plan_run(cfg, num_processes=1, switch_frames=switches, phases=phases)
     real = plan_run(cfg, num_processes=1, fake=False, build=load_stream_pipeline, switch_frames=switches,
