@@ -11,7 +11,8 @@ r"""Experiment presets side by side over seeds, at each preset's own budget: JSO
 Each run is ``python train.py experiment=<preset> trainer.seed=<seed> [--set ...] [--arm-set ...]``, one after the
 other so that their clocks do not share the CPU. An arm is a preset, or ``name=preset`` with overrides of its own
 (``--arm-set name key=value ...``): two arms may share a preset and differ in one knob; ``name=`` (no preset) runs
-the defaults, ``python train.py`` with the arm's overrides. The JSON records each arm's command and the commit of
+the defaults, ``python train.py`` with the arm's overrides. Every arm runs every ``--seeds`` seed, unless
+``--arm-seeds name 0`` gives it fewer (an ablation on one seed). The JSON records each arm's command and the commit of
 the runs' code (the one each run's ``summary.json`` names, else the one this script started at). Every run's
 directory is kept under ``--runs`` as ``<arm>_seed<seed>``; a run already finished there is read back instead of
 run again, so an interrupted comparison resumes where it stopped, and the JSON is rewritten after every run. A run
@@ -244,6 +245,9 @@ def main(argv=None, *, description: str | None = None, defaults: dict | None = N
     p.add_argument("--set", nargs="*", default=[], help="extra overrides for every run (key=value)")
     p.add_argument("--arm-set", nargs="+", action="append", default=[], metavar=("ARM", "KEY=VALUE"),
                    help="overrides for one arm's runs only (repeatable)")
+    p.add_argument("--arm-seeds", nargs=2, action="append", default=[], metavar=("ARM", "SEEDS"),
+                   help="the seeds of one arm, comma-separated, a subset of --seeds (an ablation run on fewer seeds); "
+                        "repeatable")
     p.add_argument("--plot-train", default="", help="training keys plotted below the held-out panels (of "
                    "--train-metrics), comma-separated")
     p.add_argument("--train-metrics", default="",
@@ -260,6 +264,15 @@ def main(argv=None, *, description: str | None = None, defaults: dict | None = N
         if name not in arms:
             raise SystemExit(f"--arm-set names the arm {name!r}, which --arms does not have ({', '.join(arms)})")
         arm_set.setdefault(name, []).extend(overrides)
+    seeds = [int(x) for x in args.seeds.split(",")]
+    arm_seeds = {}
+    for name, own in args.arm_seeds:
+        if name not in arms:
+            raise SystemExit(f"--arm-seeds names the arm {name!r}, which --arms does not have ({', '.join(arms)})")
+        arm_seeds[name] = [int(x) for x in own.split(",")]
+        if sorted(set(arm_seeds[name]) - set(seeds)):
+            raise SystemExit(f"--arm-seeds {name} {own}: seeds {sorted(set(arm_seeds[name]) - set(seeds))} are not "
+                             f"among --seeds {args.seeds}")
     train_metrics = [m for m in args.train_metrics.split(",") if m]
     metrics = args.metrics.split(",")
     cols = ([tuple(c.split("=", 1)) for c in args.columns.split(";")] if args.columns
@@ -277,12 +290,15 @@ def main(argv=None, *, description: str | None = None, defaults: dict | None = N
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = []
-    for seed in [int(s) for s in args.seeds.split(",")]:
+    for seed in seeds:
         for arm, preset in arms.items():
+            if seed not in arm_seeds.get(arm, seeds):
+                continue
             results.append(run(arm, seed, runs, args.set + arm_set.get(arm, []), metrics, preset=preset,
                                train_metrics=train_metrics))
             report = {"arms": summarise(results, metrics), "runs": results, "overrides": args.set,
-                      "arm_presets": arms, "arm_overrides": arm_set, "commit": runs_commit(results),
+                      "arm_presets": arms, "arm_overrides": arm_set, "arm_seeds": arm_seeds,
+                      "commit": runs_commit(results),
                       "command": " ".join(["python scripts/compare_presets.py", *(argv if argv is not None
                                                                                    else sys.argv[1:])]),
                       "arm_commands": {a: " ".join(["python train.py", *command_overrides(a, arms[a], args.set

@@ -395,6 +395,21 @@ def test_compare_presets_arm_without_a_preset_runs_the_defaults_and_the_report_n
     assert [r["commit"] for r in report["runs"]] == ["abc1234", "abc1234+changes"]
     with pytest.raises(SystemExit, match="empty arm"):
         compare.main(["--arms", "a,", "--runs", str(runs), "--out", str(tmp_path / "x")])
+    # an arm on fewer seeds: its seed 1 is neither run nor read (there is none), the other arm's is read
+    d = runs / "default_seed1"
+    d.mkdir()
+    for name in ("summary.json", "wall_clock.json", "metrics.jsonl"):
+        (d / name).write_text((runs / "default_seed0" / name).read_text())
+    report = compare.main(["--arms", "default=,flash=", "--seeds", "0,1", "--arm-seeds", "flash", "0", "--runs",
+                           str(runs), "--out", str(tmp_path / "cmp"), "--metrics", "eval/strict"])
+    assert report["arm_seeds"] == {"flash": [0]}
+    assert [(r["arm"], r["seed"]) for r in report["runs"]] == [("default", 0), ("flash", 0), ("default", 1)]
+    assert report["arms"]["flash"]["seeds"] == [0] and report["arms"]["default"]["seeds"] == [0, 1]
+    with pytest.raises(SystemExit, match="seeds \\[2\\] are not among --seeds 0"):
+        compare.main(["--arms", "default=,flash=", "--seeds", "0", "--arm-seeds", "flash", "0,2", "--runs",
+                      str(runs), "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="--arm-seeds names the arm 'other'"):
+        compare.main(["--arms", "default=", "--arm-seeds", "other", "0", "--runs", str(runs), "--out", str(tmp_path / "x")])
 
 
 def _stopped_run(tmp_path):
