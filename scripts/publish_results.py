@@ -903,18 +903,24 @@ def _quarters(arm: dict, key: str) -> str:
 
 def taros_shortcut_table() -> str:
     """The aggregators on the composite with a shortcut: held-out task metrics and hack indicator at the end (mean ±
-    std over seeds, change from the base model), and consistency's saturation inside groups over training."""
+    std over seeds, change from the base model), and inside the groups over training: how often the task term is
+    constant, consistency's spread against its running mean, and the entries TaRoS zeroes per term."""
     arms = load("taros_shortcut.json")["arms"]
     base = next(iter(arms.values()))["base"]
     rows = [["base model", *(f"{base[m]:.3f}" for m in TAROS_SHORTCUT_METRICS), "", "", ""]]
     for label, arm in TAROS_ARMS:
         a = arms[arm]
-        rows.append([f"{label} ({len(a['seeds'])} seeds)", *(_final(a, m, gain=True) for m in TAROS_SHORTCUT_METRICS),
-                     _quarters(a, "groups/video_consistency/zero_std_group_fraction"),
-                     _quarters(a, "taros/video_consistency/saturation"), f"{a['seconds']['mean'] / 60:.0f}"])
+        zeroed = [a.get(f"taros/{k}/zeroed") for k in ("video_geneval", "video_consistency")]
+        rows.append([f"{label} ({len(a['seeds'])} seed{'s' if len(a['seeds']) > 1 else ''})",
+                     *(_final(a, m, gain=True) for m in TAROS_SHORTCUT_METRICS),
+                     _quarters(a, "groups/video_geneval/zero_std_group_fraction"),
+                     _quarters(a, "taros/video_consistency/saturation"),
+                     " / ".join(f"{z['last_quarter']['mean']:.3f}" for z in zeroed) if all(zeroed) and all(
+                         z["last_quarter"].get("mean") is not None for z in zeroed) else ""])
     return _table(["aggregator", *(f"{h} at 24" for h in TAROS_SHORTCUT_HEADER),
-                   "consistency constant in a group (first → last quarter)",
-                   "consistency σ/σ̄ in groups (first → last quarter)", "minutes"], rows)
+                   "video GenEval constant in a group (first → last quarter)",
+                   "consistency σ/σ̄ in groups (first → last quarter)",
+                   "entries zeroed, video GenEval / consistency (last quarter)"], rows)
 
 
 def index_results() -> str:
@@ -933,6 +939,7 @@ BLOCKS = {
     "video-seeds": (DOCS / "results.md", video_seeds_table),
     "video-taros": (DOCS / "results.md", video_taros_table),
     "taros-shortcut-sweep": (DOCS / "rewards.md", taros_shortcut_sweep_table),
+    "taros-shortcut": (DOCS / "rewards.md", taros_shortcut_table),
     "streaming-runs": (DOCS / "results.md", streaming_runs_table),
     "streaming-presets": (DOCS / "results.md", streaming_table),
     "provenance": (DOCS / "results.md", provenance_table),
