@@ -29,8 +29,9 @@ _observers: list[tuple[Callable[[torch.Tensor], None], Callable[[], ContextManag
 def observe_host_copies(fn: Callable[[torch.Tensor], None],
                         scope: Callable[[], ContextManager] = contextlib.nullcontext) -> Iterator[None]:
     """Call ``fn(t)`` on every tensor put in host memory inside the block (:func:`to_host`'s copies and the rows
-    :class:`HostCopy` selects and joins there), and make the copies even where the tensors are in host memory already; the
-    host-side work runs inside ``scope()``. A plan on fake tensors counts them so, apart from the device's memory."""
+    :class:`HostCopy` selects and joins there), and make the copies even where the tensors are in host memory
+    already; the host-side work runs inside ``scope()``. A plan on fake tensors counts them so, apart from the
+    device's memory."""
     entry = (fn, scope)
     _observers.append(entry)
     try:
