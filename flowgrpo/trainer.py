@@ -108,10 +108,9 @@ class Trainer(RunState, HeldOut, Guards):
         # guidance, noise size and autocast, and honours a stop request between its chunks of rows
         sampling = SamplingModel(self.adapter, guidance=self.model_kw["guidance"], size=self.model_kw["size"],
                                  autocast=self.acc.autocast)
-        self.rollout_engine = self.algorithm.make_rollout(sampling, seed=t.seed,
-                                                          batch_size=self.batch.rollout_batch_per_process,
-                                                          between_chunks=lambda: self._check_stop("rollout"),
-                                                          offload_context=t.offload_kept_context)
+        self.rollout_engine = self.algorithm.make_rollout(
+            sampling, seed=t.seed, batch_size=self.batch.rollout_batch_per_process,
+            between_chunks=lambda: self._check_stop("rollout"), offload_context=t.offload_kept_context)
         self.policy = TrainerContext(self)
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
                                            weight_decay=t.weight_decay)
