@@ -124,3 +124,15 @@ def test_the_algorithm_counts_in_the_overviews_are_the_registrys(path, clip, str
     for pattern, expected in ((clip, len(ALGORITHMS) - n_streaming), (streaming, n_streaming)):
         m = re.search(pattern, text)
         assert m and _NUMBERS.get(m.group(1).lower()) == expected, (path, pattern, m and m.group(1), expected)
+
+
+def test_every_test_the_docs_cite_exists():
+    """A page that says "shown by tests/x.py::test_y" names a test that is there (renaming a test moves the page)."""
+    cited = {}
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        for m in re.finditer(r"(tests/[\w/]+\.py)::(\w+)", page.read_text(encoding="utf-8")):
+            cited.setdefault(m.groups(), page.relative_to(REPO))
+    assert len(cited) > 50  # the reliability page alone cites more
+    missing = [f"{page}: {f}::{name}" for (f, name), page in sorted(cited.items())
+               if not (REPO / f).exists() or not re.search(rf"^\s*def {name}\b", (REPO / f).read_text(), re.M)]
+    assert not missing, "pages cite tests that do not exist:\n" + "\n".join(missing)
