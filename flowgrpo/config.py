@@ -178,7 +178,8 @@ class AlgoConfig:
 
 @dataclass
 class AggregateConfig:
-    """How phase 4 turns a multi-component reward (``reward=multi``) into advantages (``rewards.aggregate``)."""
+    """How phase 4 turns a reward's weighted components (``reward=multi``'s sub-rewards, ``reward=long_video``'s
+    aspects) into advantages (``rewards.aggregate``)."""
 
     name: str = _knob("sum", choices=("sum", "per_reward", "taros"))  # sum: group-normalise the weighted sum
     tau: float = _knob(0.5, ge=0)  # taros: spread floor as a fraction of its running mean
@@ -560,6 +561,15 @@ def _unresolved(node: Any, errors: list[str]) -> None:
         _unresolved(value, errors)
 
 
+def _weighs_components(reward: DictConfig) -> bool:
+    """Whether a reward's scalar is a weighted sum of components that an aggregator can take apart
+    (``reward.weights``): a multi-reward's sub-rewards, or the long-video reward's aspects when its score is their
+    weighted mean."""
+    if reward.name == "multi":
+        return True
+    return reward.name == "long_video" and reward.kwargs.get("score", "mean") == "mean"
+
+
 def _cross_checks(cfg: DictConfig, errors: list[str]) -> None:
     """Constraints between keys (each message names the keys to change)."""
     m, s, a = cfg.get("model"), cfg.get("sampler"), cfg.get("algo")
@@ -570,9 +580,11 @@ def _cross_checks(cfg: DictConfig, errors: list[str]) -> None:
         if message:
             errors.append(message)
     r = cfg.get("reward")
-    if r is not None and not OmegaConf.is_missing(r, "name") and r.aggregate.name != "sum" and r.name != "multi":
-        errors.append(f"reward.aggregate.name={r.aggregate.name!r} combines the components of a multi-reward, but "
-                      f"reward={r.name!r} has one score: use reward=multi, or reward.aggregate.name=sum")
+    if r is not None and not OmegaConf.is_missing(r, "name") and r.aggregate.name != "sum" \
+            and not _weighs_components(r):
+        errors.append(f"reward.aggregate.name={r.aggregate.name!r} combines the weighted components of a reward, but "
+                      f"reward={r.name!r} (kwargs {dict(r.kwargs)}) has one score: use reward=multi, or "
+                      "reward=long_video with reward.kwargs.score=mean, or reward.aggregate.name=sum")
     if a is not None and r is not None and a.get("slas_gamma") is not None and not OmegaConf.is_missing(r, "name") \
             and r.aggregate.name != "sum":
         errors.append(f"algo.slas_gamma={a.slas_gamma} shapes the advantage of one reward, but "

@@ -4,6 +4,7 @@ r"""Did a run learn? Its checkpoint against the model it started from, on the sa
     python scripts/paired_eval.py outputs/RUN                         # the run's newest checkpoint, its eval settings
     python scripts/paired_eval.py RUN_A RUN_B --prompts 100 --samples 2 --out paired.json
     python scripts/paired_eval.py RUN --test-file assets/prompts/streams_test.jsonl   # another held-out file
+    python scripts/paired_eval.py RUN --raw             # a run that keeps an EMA: its trained weights instead
 
 Each run is rebuilt from its ``config.yaml`` (the model it trained, its reward and held-out prompts); the base model
 (the run's starting weights) and the run's newest intact checkpoint (or ``--checkpoint``) then score the same
@@ -11,7 +12,9 @@ held-out jobs with the trainer's evaluation protocol: the first ``--prompts`` he
 prompt, sample ``j`` of prompt ``i`` from the noise seeded by ``(trainer.eval_seed, i, j)``. Because both see the
 same noise, the change per sample is paired: its mean is the run's gain and its standard error (std / √n) says
 whether an evaluation of this size resolves it — a gain within about two standard errors of zero is not shown.
-Runs of the same model and evaluation share one base scoring.
+Runs of the same model and evaluation share one base scoring. A run that keeps an EMA of its weights
+(``trainer.ema.enabled``) is evaluated as its own evaluations are, with the EMA swapped in; ``--raw`` evaluates the
+trained weights instead (the report says which: ``weights``).
 
 Reported per run and for every reward component: base mean, trained mean, mean change, its standard error, the
 share of samples that improved / got worse, and every sample's two scores; when the held-out prompts carry several
@@ -89,10 +92,13 @@ def evaluate_run(run: Path, args, base_cache: dict) -> dict:
         trainer.cfg.trainer.resume = str(args.checkpoint or run)
         if not trainer.maybe_resume():
             raise SystemExit(f"{run}: no intact checkpoint to evaluate (trainer.checkpoint_every=0 writes none)")
+        if args.raw:
+            trainer.ema = None  # the evaluation swaps in an EMA only when the trainer keeps one
+        weights = "raw" if trainer.ema is None else f"ema (decay {cfg.trainer.ema.decay:g})"
         trained = score(trainer, jobs)
         seconds = time.perf_counter() - t0
     metrics = {k: paired(base[k], trained[k]) for k in base if k in trained}
-    return {"run": str(run), "iteration": trainer.iteration, "jobs": [list(j) for j in jobs], "seconds": seconds,
+    return {"run": str(run), "iteration": trainer.iteration, "weights": weights, "jobs": [list(j) for j in jobs], "seconds": seconds,
             "metrics": metrics, "samples": {"base": base, "trained": trained}}
 
 
@@ -105,6 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--test-file", type=Path, default=None,
                    help="held-out prompts to use instead of the run's data.test_file (JSONL)")
+    p.add_argument("--raw", action="store_true",
+                   help="the trained weights of a run that keeps an EMA (default: the EMA, as its evaluations use)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: print only the summary)")
     args = p.parse_args(argv)
     if args.checkpoint is not None and len(args.runs) > 1:
@@ -118,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["runs"].append(evaluate_run(run, args, base_cache))
         if args.out:
             args.out.write_text(json.dumps(report, indent=2))
-    summary = [{"run": r["run"], "iteration": r["iteration"],
+    summary = [{"run": r["run"], "iteration": r["iteration"], "weights": r["weights"],
                 **{k: {kk: round(vv, 4) for kk, vv in v.items()} for k, v in r["metrics"].items()
                    if k == "reward" or (k.startswith("by_tag/") and k.endswith("/reward"))}}
                for r in report["runs"]]

@@ -596,6 +596,40 @@ def test_paired_eval_scores_base_and_checkpoint_on_the_trainers_held_out_jobs(tm
     assert s["stderr"] == pytest.approx(1 / math.sqrt(3)) and s["base"] == 1.0 and s["trained"] == 2.0
     with pytest.raises(SystemExit, match="config.yaml"):
         paired_eval.main([str(tmp_path)])
+    assert report["runs"][0]["weights"] == "raw"
+
+
+def test_paired_eval_reads_a_runs_ema_as_its_evaluations_do_or_its_raw_weights(tmp_path):
+    """A run that keeps an EMA: the paired evaluation scores the EMA as the trainer's evaluation does; ``--raw``
+    scores the trained weights, which the trainer's evaluation without an EMA scores."""
+    from omegaconf import OmegaConf
+
+    from flowgrpo.trainer import Trainer
+
+    paired_eval = load_script("paired_eval")
+    bench = load_script("bench_iteration")
+    run = tmp_path / "run"
+    cfg = bench.compose(["model=tiny_sd3", "reward=jpeg_compressibility", "logger=none", "trainer.iterations=2",
+                         "trainer.eval_num_prompts=2", "trainer.eval_samples_per_prompt=1",
+                         "trainer.eval_samples_per_tag=null", "sampler.num_steps=3", "sampler.eval_num_steps=3",
+                         "algo.window.size=1", "trainer.prompts_per_iteration=2", "trainer.group_size=2",
+                         "trainer.train_batch_size=4", "trainer.gradient_accumulation_steps=1", "trainer.lr=0.05",
+                         "trainer.ema.enabled=true", "trainer.ema.decay=0.5", f"trainer.output_dir={run}"])
+    trainer = Trainer(cfg, run)
+    trainer.step()
+    trainer.step()
+    trainer.save_checkpoint()
+    with_ema = trainer.evaluate()["eval/reward"]
+    ema, trainer.ema = trainer.ema, None
+    raw = trainer.evaluate()["eval/reward"]
+    assert with_ema != raw
+    OmegaConf.save(cfg, run / "config.yaml", resolve=True)
+    as_run = paired_eval.main([str(run)])["runs"][0]
+    assert as_run["weights"] == "ema (decay 0.5)"
+    assert as_run["metrics"]["reward"]["trained"] == pytest.approx(with_ema, abs=1e-5)
+    trained = paired_eval.main([str(run), "--raw"])["runs"][0]
+    assert trained["weights"] == "raw" and trained["metrics"]["reward"]["trained"] == pytest.approx(raw, abs=1e-5)
+    assert trained["metrics"]["reward"]["base"] == as_run["metrics"]["reward"]["base"] and ema is not None
 
 
 def test_paired_report_puts_methods_seeds_and_tags_side_by_side(tmp_path):

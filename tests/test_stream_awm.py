@@ -448,3 +448,31 @@ def test_per_segment_advantages_through_the_trainer(tmp_path):
     assert torch.allclose(batch.advantages.cpu(), per_segment.gather(1, segments).mean(1))
     scalars = trainer.update(batch, 0)
     assert trainer.updates == 1 and all(torch.isfinite(torch.tensor(v)) for v in scalars.values())
+
+
+def test_taros_on_the_long_video_aspects_through_the_trainer(tmp_path):
+    """``reward.aggregate.name=taros`` with the long-video reward: phase 4 is TaRoS over the reward's eight weighted
+    aspects (its score is their weighted mean), computed from the batch's components; a long-video reward that
+    scores one aspect has nothing to take apart and is refused, before and after it is built."""
+    import rewards
+    from flowgrpo.build.reward import build_aggregator
+    from flowgrpo.trainer import Trainer
+    from rewards.aggregate import TaRoS
+    from rewards.streams import COMPONENTS
+
+    trainer = Trainer(make_cfg(tmp_path, "reward.aggregate.name=taros", "trainer.iterations=1"), tmp_path)
+    assert set(trainer.aggregator.weights) == set(COMPONENTS) and len(COMPONENTS) == 8
+    batch = trainer.score(trainer.rollout(trainer.plan(0), 0))
+    trainer.advantage(batch)
+    reference = TaRoS(trainer.aggregator.weights, tau=0.5, kappa=0.1, ema_decay=0.9)
+    expected = reference({k: batch.components[k] for k in COMPONENTS}, group_size=batch.plan.group_size)
+    assert torch.equal(batch.global_advantages.cpu(), expected)
+    assert torch.allclose(batch.rewards.cpu(), torch.stack([batch.components[k].cpu() for k in COMPONENTS]).mean(0))
+    scalars = trainer.update(batch, 0)
+    assert trainer.updates == 1 and all(torch.isfinite(torch.tensor(v)) for v in scalars.values())
+
+    one = make_cfg(tmp_path / "one", "reward.aggregate.name=taros", "reward.kwargs.score=recovery")
+    with pytest.raises(flowgrpo.config.ConfigError, match=r"reward.aggregate.name='taros'.*score=mean"):
+        flowgrpo.config.validate(one)
+    with pytest.raises(ValueError, match="scores one component"):
+        build_aggregator(one, rewards.load("long_video", score="recovery"))

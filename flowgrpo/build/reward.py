@@ -34,8 +34,9 @@ def build_aggregator(cfg: DictConfig, reward):
 
     if cfg.reward.aggregate.name == "sum":
         return None
-    if not hasattr(reward, "weights"):
-        raise ValueError(f"reward.aggregate.name={cfg.reward.aggregate.name!r} needs a multi-component reward "
-                         f"(reward=multi); {cfg.reward.name!r} has no per-component weights")
+    if not hasattr(reward, "weights") or getattr(reward, "score", "mean") != "mean":
+        raise ValueError(f"reward.aggregate.name={cfg.reward.aggregate.name!r} needs a reward whose score is a "
+                         "weighted sum of its components (reward=multi, or reward=long_video with score=mean); "
+                         f"{cfg.reward.name!r} has no per-component weights or scores one component")
     return RewardAggregator(cfg.reward.aggregate, reward.weights, global_std=cfg.algo.global_std,
                             clip=cfg.algo.adv_clip)
