@@ -564,7 +564,8 @@ def test_bench_streaming_times_the_cache_against_recomputing_and_checks_they_agr
 
 def test_paired_eval_scores_base_and_checkpoint_on_the_trainers_held_out_jobs(tmp_path):
     """A run's checkpoint and its base model score exactly what the trainer's own evaluation scores, sample by sample
-    on the same noise; the change, its standard error and the shares follow from the per-sample pairs."""
+    on the same noise; the change, its standard error and the shares follow from the per-sample pairs. A run that
+    keeps an EMA is read through it, as its evaluations are; ``--raw`` reads its trained weights."""
     from omegaconf import OmegaConf
 
     from flowgrpo.trainer import Trainer
@@ -577,59 +578,31 @@ def test_paired_eval_scores_base_and_checkpoint_on_the_trainers_held_out_jobs(tm
                          "trainer.eval_samples_per_tag=null", "sampler.num_steps=3", "sampler.eval_num_steps=3",
                          "algo.window.size=1", "trainer.prompts_per_iteration=2", "trainer.group_size=2",
                          "trainer.train_batch_size=4", "trainer.gradient_accumulation_steps=1",
-                         "trainer.lr=0.05", f"trainer.output_dir={run}"])
+                         "trainer.lr=0.05", "trainer.ema.enabled=true", "trainer.ema.decay=0.5",
+                         f"trainer.output_dir={run}"])
     trainer = Trainer(cfg, run)
-    before = trainer.evaluate()["eval/reward"]
+    before = trainer.evaluate()["eval/reward"]  # the EMA starts at the initial weights
     trainer.step()
     trainer.save_checkpoint()
-    after = trainer.evaluate()["eval/reward"]
+    after = trainer.evaluate()["eval/reward"]  # through the EMA, half-way between the two weights
+    trainer.ema = None
+    raw = trainer.evaluate()["eval/reward"]
     OmegaConf.save(cfg, run / "config.yaml", resolve=True)
     report = paired_eval.main([str(run), "--out", str(tmp_path / "paired.json")])
     r = report["runs"][0]["metrics"]["reward"]
-    assert r["n"] == 3 and report["runs"][0]["iteration"] == 1
+    assert r["n"] == 3 and report["runs"][0]["iteration"] == 1 and report["runs"][0]["weights"] == "ema (decay 0.5)"
     assert r["base"] == pytest.approx(before, abs=1e-5) and r["trained"] == pytest.approx(after, abs=1e-5)
-    assert before != after and r["change"] == pytest.approx(after - before, abs=1e-5)
+    assert before != after != raw and r["change"] == pytest.approx(after - before, abs=1e-5)
     assert json.loads((tmp_path / "paired.json").read_text())["runs"][0]["metrics"]["reward"]["n"] == 3
+    trained = paired_eval.main([str(run), "--raw"])["runs"][0]
+    assert trained["weights"] == "raw" and trained["metrics"]["reward"]["trained"] == pytest.approx(raw, abs=1e-5)
+    assert trained["metrics"]["reward"]["base"] == r["base"]
     # the statistics of the pairs; a sample a component does not define (NaN) is left out of both
     s = paired_eval.paired([0.0, 1.0, 2.0, float("nan")], [1.0, 1.0, 4.0, 3.0])
     assert (s["n"], s["change"], s["improved"], s["worse"]) == (3, 1.0, 2 / 3, 0.0)
     assert s["stderr"] == pytest.approx(1 / math.sqrt(3)) and s["base"] == 1.0 and s["trained"] == 2.0
     with pytest.raises(SystemExit, match="config.yaml"):
         paired_eval.main([str(tmp_path)])
-    assert report["runs"][0]["weights"] == "raw"
-
-
-def test_paired_eval_reads_a_runs_ema_as_its_evaluations_do_or_its_raw_weights(tmp_path):
-    """A run that keeps an EMA: the paired evaluation scores the EMA as the trainer's evaluation does; ``--raw``
-    scores the trained weights, which the trainer's evaluation without an EMA scores."""
-    from omegaconf import OmegaConf
-
-    from flowgrpo.trainer import Trainer
-
-    paired_eval = load_script("paired_eval")
-    bench = load_script("bench_iteration")
-    run = tmp_path / "run"
-    cfg = bench.compose(["model=tiny_sd3", "reward=jpeg_compressibility", "logger=none", "trainer.iterations=2",
-                         "trainer.eval_num_prompts=2", "trainer.eval_samples_per_prompt=1",
-                         "trainer.eval_samples_per_tag=null", "sampler.num_steps=3", "sampler.eval_num_steps=3",
-                         "algo.window.size=1", "trainer.prompts_per_iteration=2", "trainer.group_size=2",
-                         "trainer.train_batch_size=4", "trainer.gradient_accumulation_steps=1", "trainer.lr=0.05",
-                         "trainer.ema.enabled=true", "trainer.ema.decay=0.5", f"trainer.output_dir={run}"])
-    trainer = Trainer(cfg, run)
-    trainer.step()
-    trainer.step()
-    trainer.save_checkpoint()
-    with_ema = trainer.evaluate()["eval/reward"]
-    ema, trainer.ema = trainer.ema, None
-    raw = trainer.evaluate()["eval/reward"]
-    assert with_ema != raw
-    OmegaConf.save(cfg, run / "config.yaml", resolve=True)
-    as_run = paired_eval.main([str(run)])["runs"][0]
-    assert as_run["weights"] == "ema (decay 0.5)"
-    assert as_run["metrics"]["reward"]["trained"] == pytest.approx(with_ema, abs=1e-5)
-    trained = paired_eval.main([str(run), "--raw"])["runs"][0]
-    assert trained["weights"] == "raw" and trained["metrics"]["reward"]["trained"] == pytest.approx(raw, abs=1e-5)
-    assert trained["metrics"]["reward"]["base"] == as_run["metrics"]["reward"]["base"] and ema is not None
 
 
 def test_paired_report_puts_methods_seeds_and_tags_side_by_side(tmp_path):
