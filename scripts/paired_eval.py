@@ -98,7 +98,8 @@ def evaluate_run(run: Path, args, base_cache: dict) -> dict:
         trained = score(trainer, jobs)
         seconds = time.perf_counter() - t0
     metrics = {k: paired(base[k], trained[k]) for k in base if k in trained}
-    return {"run": str(run), "iteration": trainer.iteration, "weights": weights, "jobs": [list(j) for j in jobs], "seconds": seconds,
+    return {"run": str(run), "iteration": trainer.iteration, "weights": weights, "jobs": [list(j) for j in jobs],
+            "seconds": seconds,
             "metrics": metrics, "samples": {"base": base, "trained": trained}}
 
 
