@@ -90,6 +90,7 @@ def test_gpu_check_replays_the_iteration_calls_for_its_floor(tmp_path):
     assert rows["flow_grpo"]["ratio_to_flow_grpo"] == 1.0 and (tmp_path / "gpu.json").is_file()
 
 
+@pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 def test_gpu_check_measures_the_streaming_model_with_its_own_algorithms(tmp_path):
     check = load_script("gpu_check")
     # each model has its own algorithms; a name another model trains with is refused before anything runs
@@ -106,11 +107,12 @@ def test_gpu_check_measures_the_streaming_model_with_its_own_algorithms(tmp_path
     assert row["seconds_per_iteration"] > 0 and row["algorithm"].startswith("stream_grpo (streaming GRPO)")
     # no floor, and the note says why (a replay of batch sizes would not reproduce the cached calls)
     assert row["floor_seconds"] is None and row["iteration_over_floor"] is None and "no floor" in row["floor_note"]
-    # 1 prompt × 2 streams rolled out together: 13 blocks × 4 steps, each finished block but the last written into
-    # the cache; the update rescores 3 re-noise transitions per stream (0.1 of 13 × 3, rounded up) one by one, each
-    # under its own block's cache; no teacher-forced forward (that is streaming AWM's update)
-    assert (row["velocity_calls_forward"], row["commit_calls"]) == (13 * 4, 12)
-    assert row["velocity_calls_forward_backward"] == 2 * 3 and "3 transitions per stream" in row["algorithm"]
+    # 1 prompt × 2 streams of 9 blocks rolled out together: 9 × 4 steps, each finished block but the last written
+    # into the cache. The update trains 2 re-noise transitions per stream (0.1 of 9 × 3, rounded down): each of the 2
+    # takes one call per block it falls in across the 2 streams (blocks attend different caches), so 2 to 4 calls.
+    # No teacher-forced forward: that is streaming AWM's update.
+    assert (row["velocity_calls_forward"], row["commit_calls"]) == (9 * 4, 8)
+    assert 2 <= row["velocity_calls_forward_backward"] <= 2 * 2 and "2 transitions per stream" in row["algorithm"]
     assert row["teacher_forced_calls_forward"] == row["teacher_forced_calls_forward_backward"] == 0
     # the plan of the same configuration beside it (its streams read from the prompt file the row wrote)
     assert row["plan_peak_gib"] > 0 and row["plan_tflop_per_iteration"] > 0 and row["achieved_tflops"] > 0
