@@ -91,6 +91,7 @@ class StreamModelConfig:
 
     # the streaming checkpoint loaded into the transformer of model.pretrained (Self-Forcing's self_forcing_dmd.pt,
     # LongLive's longlive_base.pt); null: model.pretrained is a streaming model directory (with stream_config.json)
+    # or random-init:<arch>
     checkpoint: Optional[str] = MISSING
     checkpoint_key: Optional[str] = None  # its entry; null = generator with a LoRA, else generator_ema if present
     lora_checkpoint: Optional[str] = MISSING  # a LoRA merged into its weights (LongLive's lora.pt); null = none
@@ -110,7 +111,9 @@ class ModelConfig:
     """Which pipeline to load and how to run it (``conf/model/*.yaml``)."""
 
     family: str = MISSING  # adapter family (flowgrpo.models.ADAPTERS): sd3, flux, wan; causal_wan: a streaming Wan
-    pretrained: str = MISSING  # local dir, hub id, or "tiny-random:<family>" for the in-memory test twin
+    # local dir, hub id, "tiny-random:<family>" for the in-memory test twin, or "random-init:<arch>" for a published
+    # architecture at random initialisation (cost measurements: scripts/gpu_check.py)
+    pretrained: str = MISSING
     torch_dtype: str = _knob("float32", choices=DTYPES)  # dtype the frozen weights load in
     vae_dtype: Optional[str] = _knob(None, choices=(None, *DTYPES))  # the decoder's dtype; null = torch_dtype
     attention: str = _knob("sdpa", choices=("sdpa", "xformers"))  # attention kernel; xformers needs flowgrpo[xformers]
@@ -432,6 +435,13 @@ def _model_checks(m: DictConfig, errors: list[str]) -> None:
             and st.checkpoint is None and st.lora_checkpoint is not None:
         errors.append("model.stream.lora_checkpoint is merged into the weights of model.stream.checkpoint, which is "
                       "null: set both, or neither for a streaming model directory")
+    if not OmegaConf.is_missing(m, "pretrained") and str(m.pretrained).startswith("random-init:"):
+        for key in ("checkpoint", "lora_checkpoint"):  # as flowgrpo.models.load_stream_pipeline refuses them
+            if not OmegaConf.is_missing(st, key) and st[key] is not None:
+                errors.append(f"model.stream.{key}={st[key]!r} with model.pretrained={m.pretrained!r}: a random-init "
+                              f"model has random weights and loads no checkpoint; set model.stream.{key}=null, or "
+                              f"set model.pretrained to the diffusers Wan2.1-T2V-1.3B pipeline to load the "
+                              f"checkpoint into")
     b = st.block_frames
     if b < 1:
         return  # reported by _check_fields

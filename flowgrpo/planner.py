@@ -532,6 +532,10 @@ def build_pipeline(model: DictConfig):
         from .models.random_init import build_random_pipeline
 
         pipe = build_random_pipeline(str(model.pretrained).split(":", 1)[1], torch_dtype=dtype)
+        if str(model.family) == STREAM_FAMILY:  # made causal as flowgrpo.models.load_stream_pipeline makes it
+            from .models.stream_load import stream_pipeline_of
+
+            return stream_pipeline_of(pipe, model)
         if model.vae_dtype:
             pipe.vae.to(parse_dtype(model.vae_dtype))
         return pipe

@@ -269,6 +269,25 @@ def test_streaming_presets_build_at_real_size_without_checkpoints():
         load_stream_pipeline(cfg.model)
 
 
+def test_a_random_init_streaming_model_is_planned_causal():
+    """``model.pretrained=random-init:wan21_1_3b`` on a streaming model (scripts/gpu_check.py's streaming rows) is
+    planned as the loader builds it: Wan2.1-1.3B's architecture made causal with the preset's stream settings."""
+    from flowgrpo.models import StreamAdapter, StreamingWanPipeline
+
+    cfg = _compose(["model=self_forcing_wan", "model.pretrained=random-init:wan21_1_3b", "model.stream.checkpoint=null",
+                    "model.stream.lora_checkpoint=null"])
+    with fake_mode():
+        pipe = build_pipeline(cfg.model)
+        adapter = StreamAdapter(pipe)
+        params = sum(p.numel() for p in adapter.pipe.transformer.parameters())
+    assert isinstance(pipe, StreamingWanPipeline) and params == pytest.approx(1.42e9, rel=0.03)
+    assert adapter.num_chunks(81) == 7
+    c = adapter.config
+    assert (c.block_frames, c.sink_frames, c.window_frames, c.cache_frames, c.recache) == (3, 0, None, None, False)
+    assert adapter.pipe.transformer.blocks[0].attn1.to_q.weight.dtype == torch.bfloat16
+    assert next(adapter.pipe.vae.parameters()).dtype == torch.float32  # model.vae_dtype
+
+
 def test_tracker_counts_host_copies_apart_from_the_gpu():
     """A storage made in host memory (what ``flowgrpo.offload`` reports to a plan) is counted apart from the GPU's
     memory and its categories, its peak kept per phase; freeing it frees the host's count; one moved there (joined

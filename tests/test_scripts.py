@@ -90,6 +90,36 @@ def test_gpu_check_replays_the_iteration_calls_for_its_floor(tmp_path):
     assert rows["flow_grpo"]["ratio_to_flow_grpo"] == 1.0 and (tmp_path / "gpu.json").is_file()
 
 
+@pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+def test_gpu_check_measures_the_streaming_model_with_its_own_algorithms(tmp_path):
+    check = load_script("gpu_check")
+    # each model has its own algorithms; a name another model trains with is refused before anything runs
+    assert check.chosen("sd35_medium,self_forcing_wan", None) == {
+        "sd35_medium": list(check.ALGORITHMS), "self_forcing_wan": ["stream_grpo", "stream_awm", "kvpo"]}
+    with pytest.raises(SystemExit, match=r"--algorithms: flow_grpo cannot train self_forcing_wan \(a streaming "
+                                         r"model\); its algorithms are stream_grpo, stream_awm, kvpo"):
+        check.main(["--tiny", "--models", "self_forcing_wan", "--algorithms", "stream_grpo,flow_grpo"])
+    with pytest.raises(SystemExit, match=r"--algorithms: kvpo cannot train sd35_medium \(a model\)"):
+        check.main(["--tiny", "--models", "sd35_medium,self_forcing_wan", "--algorithms", "kvpo"])
+    report = check.main(["--tiny", "--models", "self_forcing_wan", "--algorithms", "stream_grpo", "--iterations", "1",
+                         "--warmup", "0", "--out", str(tmp_path / "gpu.json")])
+    row = report["models"]["self_forcing_wan"]["stream_grpo"]
+    assert row["seconds_per_iteration"] > 0 and row["algorithm"].startswith("stream_grpo (streaming GRPO)")
+    # no floor, and the note says why (a replay of batch sizes would not reproduce the cached calls)
+    assert row["floor_seconds"] is None and row["iteration_over_floor"] is None and "no floor" in row["floor_note"]
+    # 1 prompt × 2 streams of 9 blocks rolled out together: 9 × 4 steps, each finished block but the last written
+    # into the cache. The update trains 2 re-noise transitions per stream (0.1 of 9 × 3, rounded down): each of the 2
+    # takes one call per block it falls in across the 2 streams (blocks attend different caches), so 2 to 4 calls.
+    # No teacher-forced forward: that is streaming AWM's update.
+    assert (row["velocity_calls_forward"], row["commit_calls"]) == (9 * 4, 8)
+    assert 2 <= row["velocity_calls_forward_backward"] <= 2 * 2 and "2 transitions per stream" in row["algorithm"]
+    assert row["teacher_forced_calls_forward"] == row["teacher_forced_calls_forward_backward"] == 0
+    # the plan of the same configuration beside it (its streams read from the prompt file the row wrote)
+    assert row["plan_peak_gib"] > 0 and row["plan_tflop_per_iteration"] > 0 and row["achieved_tflops"] > 0
+    assert set(row["plan_phases_gib"]) == {"rollout", "update"} and row["plan_peak_phase"] in row["plan_phases_gib"]
+    assert row["ratio_to_stream_grpo"] == 1.0 and json.loads((tmp_path / "gpu.json").read_text()) == report
+
+
 def test_bench_time_to_reward_writes_curves_per_seed(tmp_path, monkeypatch):
     bench = load_script("bench_time_to_reward")
     out = tmp_path / "ttr.json"

@@ -192,6 +192,54 @@ def test_a_streaming_model_directory_loads_with_a_null_checkpoint(files, tmp_pat
     assert pipe.config.recache is True and "recache=True (saved: False)" in flowgrpo_caplog.text
 
 
+def test_a_random_init_streaming_model_is_built_in_code_and_made_causal(monkeypatch):
+    """``model.pretrained=random-init:wan21_1_3b`` (scripts/gpu_check.py) builds the architecture's pipeline and makes
+    it causal with the node's stream settings; the 1.4B-parameter build is stood in for by the tiny Wan twin."""
+    import flowgrpo.models.random_init as random_init
+
+    built = []
+
+    def build(arch, *, torch_dtype=torch.bfloat16, seed=0):
+        built.append((arch, torch_dtype, build_tiny_pipeline("wan", torch_dtype=torch_dtype)))
+        return built[-1][2]
+
+    monkeypatch.setattr(random_init, "build_random_pipeline", build)
+    m = validate(_compose(["model=self_forcing_wan", "model.pretrained=random-init:wan21_1_3b",
+                           "model.stream.checkpoint=null", "model.stream.lora_checkpoint=null", *SMALL]).model)
+    pipe = load_stream_pipeline(m)
+    (arch, dtype, wan), = built
+    assert (arch, dtype) == ("wan21_1_3b", torch.float32)  # the node's model.torch_dtype
+    assert isinstance(pipe, StreamingWanPipeline) and pipe.pipe is wan and pipe.pipe.transformer is wan.transformer
+    assert pipe.config == stream_config_of(m) and pipe.config.block_frames == 3  # the preset's, not the twin's
+    assert not pipe.pipe.transformer.training
+    # the trainer's route to it: build_adapter sends a streaming model to load_stream_pipeline
+    adapter = build_adapter(m)
+    assert len(built) == 2 and adapter.pipe is built[1][2] and adapter.config == pipe.config
+
+
+def test_a_random_init_streaming_model_refuses_a_checkpoint(monkeypatch):
+    import flowgrpo.models.random_init as random_init
+
+    monkeypatch.setattr(random_init, "build_random_pipeline", lambda arch, **kw: build_tiny_pipeline("sd3"))
+    random = ["model=longlive_wan", "model.pretrained=random-init:wan21_1_3b", *SMALL]
+    checkpoint = (r"model\.stream\.checkpoint='sf\.pt' with model\.pretrained='random-init:wan21_1_3b'.*loads no "
+                  r"checkpoint")
+    for overrides in (["model.stream.checkpoint=sf.pt", "model.stream.lora_checkpoint=null"],
+                      ["model.stream.checkpoint=sf.pt", "model.stream.lora_checkpoint=lora.pt"]):
+        cfg = _compose([*random, *overrides])
+        with pytest.raises(ValueError, match=checkpoint):  # before any file is looked for
+            load_stream_pipeline(cfg.model)
+        with pytest.raises(ConfigError, match=checkpoint):  # and by the config checks, before anything loads
+            validate(cfg.model)
+    unset = ["model.stream.checkpoint=null", "model.stream.lora_checkpoint=null"]
+    with pytest.raises(ValueError, match=r"model\.stream\.lora_checkpoint is required"):  # unset keys, as before
+        load_stream_pipeline(_compose([*random, "model.stream.checkpoint=null"]).model)
+    with pytest.raises(ValueError, match=r"random-init:sd35_medium' is not a Wan architecture"):
+        load_stream_pipeline(_compose([*random, *unset, "model.pretrained=random-init:sd35_medium"]).model)
+    with pytest.raises(ValueError, match=r"unknown architecture 'wan99'.*random-init:wan21_1_3b"):
+        load_stream_pipeline(_compose([*random, *unset, "model.pretrained=random-init:wan99"]).model)
+
+
 # ------------------------------------------------------------------------------------------- errors
 
 

@@ -22,10 +22,11 @@ __all__ = ["build_adapter", "model_kwargs"]
 def build_adapter(model: DictConfig, *, device: str | torch.device = "cpu"):
     """``flowgrpo.models.load_adapter`` from a ``model`` node.
 
-    ``model.pretrained`` is a local pipeline directory (relative: cwd, then the repo root), a hub id, or
-    ``tiny-random:<family>``. A path that is clearly local but missing fails at once (no hub round-trip),
-    naming ``model.pretrained``. A streaming model (``model.family=causal_wan``) is loaded by
-    ``flowgrpo.models.load_stream_pipeline`` and seen through a ``flowgrpo.models.StreamAdapter``.
+    ``model.pretrained`` is a local pipeline directory (relative: cwd, then the repo root), a hub id,
+    ``tiny-random:<family>``, or ``random-init:<arch>``. A path that is clearly local but missing fails at once (no
+    hub round-trip), naming ``model.pretrained``. A streaming model (``model.family=causal_wan``) is loaded by
+    ``flowgrpo.models.load_stream_pipeline`` (``random-init:wan21_1_3b`` included) and seen through a
+    ``flowgrpo.models.StreamAdapter``.
     """
     validate(model)
     if model.family == STREAM_FAMILY:

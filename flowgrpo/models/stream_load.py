@@ -10,7 +10,12 @@ Two ways to get there:
   :func:`~flowgrpo.models.load_streaming_wan_transformer` into the transformer (the base's own transformer
   weights are never read);
 * **a streaming model directory** (``model.stream.checkpoint: null``): ``model.pretrained`` is a directory written
-  by :meth:`StreamingWanPipeline.save_pretrained` (a ``WanPipeline`` plus ``stream_config.json``).
+  by :meth:`StreamingWanPipeline.save_pretrained` (a ``WanPipeline`` plus ``stream_config.json``);
+* **a published architecture at random initialisation** (``model.pretrained=random-init:wan21_1_3b``, with
+  ``model.stream.checkpoint: null`` and ``model.stream.lora_checkpoint: null``): the ``WanPipeline`` that
+  :func:`~flowgrpo.models.random_init.build_random_pipeline` builds (Wan2.1-1.3B's transformer with random weights,
+  a one-layer text-encoder stand-in), made causal as the other two are. Weights do not change what a step costs,
+  so this is what ``scripts/gpu_check.py`` measures a streaming model's iteration with; nothing is read from disk.
 
 The stream settings are the config's either way: ``model.stream.*`` (block size, steps and shift, sink, window,
 cache, context noise, re-cache) and the model's frame size, guidance, negative prompt and text length. A streaming
@@ -36,7 +41,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ..paths import looks_local, resolve_path  # the config layer's rule: absolute, else cwd, else repo root
-from .load import check_tokenizers, parse_dtype, set_vae_dtype
+from .load import RANDOM_PREFIX, check_tokenizers, parse_dtype, set_vae_dtype
 from .stream_pipeline import STREAM_CONFIG_NAME, StreamConfig, StreamingWanPipeline
 
 __all__ = ["load_stream_pipeline", "stream_config_of", "stream_pipeline_of"]
@@ -111,8 +116,9 @@ def load_stream_pipeline(
 
     Raises:
         ValueError: a required key left unset (``model.stream.checkpoint``, ``model.stream.lora_checkpoint``,
-            ``model.pretrained``), a family that is not ``causal_wan``, or a streaming model directory expected
-            but not given; the message names the key.
+            ``model.pretrained``), a family that is not ``causal_wan``, a streaming model directory expected
+            but not given, a streaming checkpoint given with ``model.pretrained=random-init:<arch>`` (whose
+            weights are random), or an architecture that is not a Wan; the message names the key.
         FileNotFoundError: a path that does not exist, naming its key.
         OSError: ``model.pretrained`` cannot be loaded as a ``WanPipeline``.
     """
@@ -135,6 +141,8 @@ def load_stream_pipeline(
     lora = _required(s, "lora_checkpoint", "model.stream.lora_checkpoint",
                      "set it to the LoRA file merged into the checkpoint (e.g. --set model.stream.lora_checkpoint="
                      "PATH/lora.pt), or to null for none")
+    if str(pretrained).startswith(RANDOM_PREFIX):
+        return _random_stream_pipeline(m, str(pretrained), checkpoint, lora, device)
     base, is_dir = _base(pretrained)
     kwargs = OmegaConf.to_container(m.pipeline_kwargs, resolve=True) if "pipeline_kwargs" in m else {}
     dtype = parse_dtype(m.get("torch_dtype", "float32"))
@@ -179,6 +187,30 @@ def load_stream_pipeline(
     except OSError as err:
         raise _load_error(pretrained, err) from err
     check_tokenizers(pipe, f"model.pretrained={pretrained!r}")
+    return stream_pipeline_of(pipe, m, device=device)
+
+
+def _random_stream_pipeline(m: DictConfig, pretrained: str, checkpoint: Any, lora: Any,
+                            device: str | torch.device) -> StreamingWanPipeline:
+    """``model.pretrained=random-init:<arch>``: the randomly initialised ``WanPipeline`` of ``<arch>``, made causal
+    by :func:`stream_pipeline_of`. No file is read, so a streaming checkpoint (or LoRA) to load is refused."""
+    from diffusers import WanPipeline
+
+    from .random_init import ARCHITECTURES, build_random_pipeline
+
+    for key, value in (("model.stream.checkpoint", checkpoint), ("model.stream.lora_checkpoint", lora)):
+        if value is not None:
+            raise ValueError(f"{key}={value!r} with model.pretrained={pretrained!r}: a random-init model has random "
+                             f"weights and loads no checkpoint; set {key}=null, or set model.pretrained to the "
+                             f"diffusers Wan2.1-T2V-1.3B pipeline to load the checkpoint into")
+    arch = pretrained[len(RANDOM_PREFIX):]
+    if arch not in ARCHITECTURES:  # build_random_pipeline says so too, but not which key
+        raise ValueError(f"model.pretrained={pretrained!r}: unknown architecture {arch!r}; choose one of "
+                         f"{', '.join(RANDOM_PREFIX + a for a in ARCHITECTURES)}")
+    pipe = build_random_pipeline(arch, torch_dtype=parse_dtype(m.get("torch_dtype", "float32")))
+    if not isinstance(pipe, WanPipeline):
+        raise ValueError(f"model.pretrained={pretrained!r} is not a Wan architecture: a streaming model "
+                         f"(model.family=causal_wan) is a causal Wan, e.g. model.pretrained={RANDOM_PREFIX}wan21_1_3b")
     return stream_pipeline_of(pipe, m, device=device)
 
 
