@@ -354,9 +354,8 @@ class MemoryTracker(TorchDispatchMode):
                 if func in _INDEX_OPS and len(args) > 1:  # a real boolean mask: its indices are known, use them
                     args = (args[0], _mask_indices(args[1]), *args[2:])
                 out = func(*args, **kwargs)
-            elif inputs:  # only real inputs, which under fake tensors are the small bookkeeping ones
-                with _real():
-                    out = func(*args, **kwargs)
+            elif inputs:  # only real inputs: bookkeeping, real; a large result stays fake (see _real_unless_large)
+                out = self._real_unless_large(func, args, kwargs)
             else:  # a factory: real when small
                 out = func(*args, **kwargs)
                 outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -368,6 +367,25 @@ class MemoryTracker(TorchDispatchMode):
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)
+        return out
+
+
+    def _real_unless_large(self, func, args, kwargs):
+        """An op on real inputs alone, run real if its result is small (code may read it back: row indices, a frame
+        mask's widths), fake if it is large: a result that big is only computed with, never read, and made real it
+        would take real memory (a streaming frame mask expanded to a real-size run's tokens is 65,520² elements).
+        The shape comes from a fake run first; an op whose shape depends on the data (``nonzero``, ``.item()``) has no
+        fake run and runs real."""
+        from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            out = None
+        outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if out is None or all(t.numel() <= self.small_real for t in outs):
+            with _real():
+                out = func(*args, **kwargs)
         return out
 
 

@@ -210,18 +210,20 @@ def test_plan_script_writes_json(tiny_dir, tmp_path):
 # ------------------------------------------------------------------------------------------------ streaming
 
 STREAMS = {  # tiny twins of the streaming presets: (overrides, pixel frames, prompt switches, phases planned)
-    "stream_grpo": (["experiment=stream_grpo_shapes", "trainer.group_size=2", "trainer.train_batch_size=2",
-                     "trainer.gradient_accumulation_steps=2"], 17, (9,), ("rollout", "update", "eval")),
+    "stream_grpo": (["experiment=stream_grpo_shapes", "trainer.prompts_per_iteration=1", "trainer.group_size=2",
+                     "trainer.train_batch_size=2", "trainer.gradient_accumulation_steps=1"], 17, (9,),
+                    ("rollout", "update", "eval")),
     "stream_awm": (["experiment=stream_awm_shapes", "trainer.group_size=2", "trainer.train_batch_size=2",
                     "trainer.gradient_accumulation_steps=2"], 17, (9,), ("rollout", "update")),
     # a group of 2 routed branches + the reference run, split over micro-batches (the partial-group path), two
     # branches streamed at a time, forks after the switch
     "kvpo": (["experiment=kvpo_shapes", "model=causal_wan_shapes_4step", "trainer.prompts_per_iteration=1",
               "trainer.group_size=3", "trainer.train_batch_size=1", "trainer.gradient_accumulation_steps=3",
-              "algo.branch_batch=2"], 41, (21,), ("rollout", "update")),
+              "algo.branch_batch=2"], 25, (13,), ("rollout", "update")),
 }
 
 
+@pytest.mark.usefixtures("one_thread")  # fake tensors compute nothing; the real run is tiny
 @pytest.mark.parametrize("name", sorted(STREAMS))
 def test_streaming_plan_equals_real_run_at_tiny_size(name):
     """A streaming run planned on fake tensors (the transformer built without a checkpoint, as the planner builds a
@@ -286,6 +288,26 @@ def test_a_random_init_streaming_model_is_planned_causal():
     assert (c.block_frames, c.sink_frames, c.window_frames, c.cache_frames, c.recache) == (3, 0, None, None, False)
     assert adapter.pipe.transformer.blocks[0].attn1.to_q.weight.dtype == torch.bfloat16
     assert next(adapter.pipe.vae.parameters()).dtype == torch.float32  # model.vae_dtype
+
+
+def test_results_of_real_inputs_stay_real_when_small_and_fake_when_large():
+    """Under fake tensors an op on real inputs alone (bookkeeping) runs real when its result is small, so code can
+    read it back, and stays fake when large: a streaming frame mask expanded to a real-size run's tokens (65,520² at
+    Self-Forcing's size) is only computed with, and made real it would take that memory on the planning machine. An
+    op whose shape depends on the data (``nonzero``) runs real. The large one is still planned (tracked)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    tracker = MemoryTracker()
+    tracker.small_real = 65536
+    with fake_mode(), tracker:
+        frames = torch.ones(4, 4, dtype=torch.bool).tril()  # a frame mask: small, real
+        assert not isinstance(frames, FakeTensor) and int(frames.sum(-1).max()) == 4
+        rows = frames.repeat_interleave(256, 0)  # 4,096 elements: real
+        tokens = rows.repeat_interleave(256, 1)  # 1,048,576: fake
+        assert not isinstance(rows, FakeTensor) and isinstance(tokens, FakeTensor) and tokens.shape == (1024, 1024)
+        assert tracker.peak >= 1024 * 1024
+        where = frames.nonzero()
+        assert not isinstance(where, FakeTensor) and where.shape == (10, 2)
 
 
 def test_tracker_counts_host_copies_apart_from_the_gpu():
