@@ -42,7 +42,6 @@ without registering hooks on frozen parameters (``MemTracker`` cannot, and every
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import json
 import math
@@ -829,7 +828,8 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
     tracker = MemoryTracker()
     tracker.small_real = 65536 if fake else None
     stack = contextlib.ExitStack()
-    mode = stack.enter_context(fake_mode()) if fake else None
+    if fake:
+        stack.enter_context(fake_mode())
     stack.enter_context(accelerator_attention())  # a streaming model's masked attention as on the GPU
     # what trainer.offload_kept_context keeps in host memory, made there
     stack.enter_context(observe_host_copies(tracker.to_host, scope=lambda: tracker.labelled("host")))
