@@ -24,12 +24,14 @@ peak memory, the plan and how many calls of each kind the iteration made.
 Beside each measurement it prints the plan of the same configuration (``flowgrpo.planner``, fake tensors on the CPU:
 ``scripts/plan.py``): the planned peak against the measured one, and the planned FLOPs against the measured time (the
 achieved TFLOP/s, the share of the card's peak that the plans' projected times assume). One run on the first GPU at
-hand calibrates the planner.
+hand calibrates the planner. A row that runs out of GPU memory reports it (``error``, the peak reached, the plan)
+and the next rows still run; the report is written and the script then exits non-zero, naming those rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import tempfile
@@ -245,18 +247,12 @@ def compose_row(model: str, algorithm: str, tiny: bool, extra: list[str], out_di
     return cfg
 
 
-def check(model: str, algorithm: str, iterations: int, warmup: int, tiny: bool, extra: list[str],
-          with_plan: bool = True) -> dict:
+def measure(cfg, out_dir: Path, stream: bool, iterations: int, warmup: int) -> tuple[float, dict, str]:
+    """Build the trainer of ``cfg`` and time ``warmup + iterations`` iterations: the median time, the floor (or for a
+    streaming model the calls by kind) and the algorithm's description."""
     from flowgrpo.trainer import Trainer
 
-    scratch = tempfile.TemporaryDirectory(prefix="gpu-check-")  # deleted with this object: nothing here is kept
-    out_dir = Path(scratch.name)
-    cfg = compose_row(model, algorithm, tiny, extra, out_dir)
-    planned = plan_of(cfg) if with_plan else {}
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg, out_dir)
-    stream = streaming(model)
     rec = StreamCallCounter(trainer.adapter) if stream else VelocityRecorder(trainer.adapter)
     times, floors = [], []
     for i in range(warmup + iterations):
@@ -285,11 +281,37 @@ def check(model: str, algorithm: str, iterations: int, warmup: int, tiny: bool, 
         median_floor = statistics.median(floors)
         floor = {"floor_seconds": median_floor, "iteration_over_floor": it / median_floor,
                  "velocity_calls_forward": forward, "velocity_calls_forward_backward": len(calls) - forward}
+    return it, floor, trainer.algorithm.describe()
+
+
+def check(model: str, algorithm: str, iterations: int, warmup: int, tiny: bool, extra: list[str],
+          with_plan: bool = True) -> dict:
+    """One row: the plan of the configuration, then its measured iterations. A row that runs out of GPU memory is
+    a result too (the configuration does not fit the card): it reports ``error``, the peak reached and the plan, and
+    the rows after it still run."""
+    scratch = tempfile.TemporaryDirectory(prefix="gpu-check-")  # deleted with this object: nothing here is kept
+    out_dir = Path(scratch.name)
+    cfg = compose_row(model, algorithm, tiny, extra, out_dir)
+    planned = plan_of(cfg) if with_plan else {}
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        it, floor, described = measure(cfg, out_dir, streaming(model), iterations, warmup)
+    except torch.OutOfMemoryError as err:
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"{model} {algorithm}: out of memory ({message}); planned "
+              f"{planned.get('plan_peak_gib', float('nan')):.2f} GiB", file=sys.stderr)
+        return {"error": f"out of memory: {message}", "seconds_per_iteration": None, "peak_memory_gib": peak,
+                **planned}
     row = {
         "seconds_per_iteration": it,
         **floor,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-        "algorithm": trainer.algorithm.describe(),
+        "algorithm": described,
         **planned,
     }
     if planned:
@@ -351,12 +373,18 @@ def main(argv: list[str] | None = None) -> dict:
     for model, algorithms in rows_of.items():
         rows = {a: check(model, a, args.iterations, args.warmup, args.tiny, args.set, not args.no_plan)
                 for a in algorithms}
-        base = next((a for a in ("flow_grpo", "stream_grpo") if a in rows), None)  # each family's plain GRPO
+        # each family's plain GRPO, when it ran
+        base = next((a for a in ("flow_grpo", "stream_grpo") if a in rows and "error" not in rows[a]), None)
         if base is not None:
             for row in rows.values():
-                row[f"ratio_to_{base}"] = row["seconds_per_iteration"] / rows[base]["seconds_per_iteration"]
+                if "error" not in row:
+                    row[f"ratio_to_{base}"] = row["seconds_per_iteration"] / rows[base]["seconds_per_iteration"]
         report["models"][model] = rows
-    return emit(report, args.out)
+    failed = [f"{m} {a}" for m, rows in report["models"].items() for a, row in rows.items() if "error" in row]
+    report = emit(report, args.out)
+    if failed:  # the report is written; the run still says it did not measure everything
+        raise SystemExit(f"out of GPU memory: {', '.join(failed)} (their rows say how far they got, beside the plan)")
+    return report
 
 
 if __name__ == "__main__":

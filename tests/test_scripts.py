@@ -90,6 +90,30 @@ def test_gpu_check_replays_the_iteration_calls_for_its_floor(tmp_path):
     assert rows["flow_grpo"]["ratio_to_flow_grpo"] == 1.0 and (tmp_path / "gpu.json").is_file()
 
 
+def test_gpu_check_reports_a_row_that_ran_out_of_memory_and_goes_on(tmp_path, monkeypatch):
+    """A row that runs out of GPU memory is a result (that configuration does not fit): it says so, the rows after it
+    run, the report is written, and the script exits non-zero naming the row."""
+    check = load_script("gpu_check")
+    measured = []
+
+    def measure(cfg, out_dir, stream, iterations, warmup):
+        measured.append(cfg.algo.name)
+        if cfg.algo.name == "flash_grpo":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB\nmore detail")
+        return 2.0, {"floor_seconds": 1.0, "iteration_over_floor": 2.0}, cfg.algo.name
+
+    monkeypatch.setattr(check, "measure", measure)
+    out = tmp_path / "gpu.json"
+    with pytest.raises(SystemExit, match="out of GPU memory: sd35_medium flash_grpo"):
+        check.main(["--tiny", "--no-plan", "--models", "sd35_medium", "--algorithms", "flash_grpo,flow_grpo,mix_grpo",
+                    "--out", str(out)])
+    assert measured == ["flash_grpo", "grpo", "mix_grpo"]
+    rows = json.loads(out.read_text())["models"]["sd35_medium"]
+    assert rows["flash_grpo"]["error"] == "out of memory: CUDA out of memory. Tried to allocate 20.00 GiB"
+    assert rows["flash_grpo"]["seconds_per_iteration"] is None and "ratio_to_flow_grpo" not in rows["flash_grpo"]
+    assert rows["mix_grpo"]["ratio_to_flow_grpo"] == 1.0 and "error" not in rows["flow_grpo"]
+
+
 @pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 def test_gpu_check_measures_the_streaming_model_with_its_own_algorithms(tmp_path):
     check = load_script("gpu_check")
