@@ -9,7 +9,8 @@ r"""Paired held-out results of several methods over seeds, side by side: a compa
 
 Per arm and run: the seed and wall clock of the run (read from the run directory's ``config.yaml`` and ``train.log``
 while it exists), and the paired change of the reward and of every reward component, overall and per segment
-(``segment<k>/<name>``), with its standard error; per arm the mean change over its runs. ``--apart LABEL=JSON``
+(``segment<k>/<name>``), with its standard error; per arm the mean change over its runs. ``--arm LABEL=REPORT.json#ARM``
+takes an arm of a report this script wrote before, as it was published (its runs need not exist any more). ``--apart LABEL=JSON``
 adds other paired evaluations of an arm's runs (e.g. on another held-out file, per tag), reported per tag.
 """
 
@@ -59,6 +60,17 @@ def summarise(paired: dict) -> list[dict]:
     return runs
 
 
+def published_arm(spec: Path) -> dict:
+    """``REPORT.json#ARM``: the arm ``ARM`` of a report written by this script (the run directories and paired_eval
+    JSONs behind it need not exist any more), its source recorded as that report and arm."""
+    report_path, _, name = str(spec).partition("#")
+    report = json.loads(Path(report_path).read_text())
+    if name not in report.get("arms", {}):
+        raise SystemExit(f"--arm ...={spec}: {report_path} has no arm {name!r}; its arms: "
+                         f"{', '.join(report.get('arms', {})) or 'none (not a report of paired_report.py)'}")
+    return {**report["arms"][name], "source": f"{Path(report_path).name}#{name}"}
+
+
 def mean_over_runs(runs: list[dict]) -> dict:
     keys = set.intersection(*(set(r["metrics"]) for r in runs))
     return {k: {"change": statistics.fmean(r["metrics"][k]["change"] for r in runs),
@@ -95,12 +107,16 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arm", action="append", required=True, help="LABEL=paired_eval JSON (repeatable)")
+    p.add_argument("--arm", action="append", required=True,
+                   help="LABEL=paired_eval JSON, or LABEL=REPORT.json#ARM: an arm of an earlier report (repeatable)")
     p.add_argument("--apart", action="append", default=[], help="LABEL=paired_eval JSON reported per tag")
     p.add_argument("--out", type=Path, required=True, help="output stem: STEM.json and STEM.png")
     args = p.parse_args(argv)
     report: dict = {"arms": {}, "apart": {}}
     for label, path in map(_labelled, args.arm):
+        if "#" in path.name:  # an arm of a report this script wrote: its runs as published, kept as they are
+            report["arms"][label] = published_arm(path)
+            continue
         paired = json.loads(path.read_text())
         runs = summarise(paired)
         report["arms"][label] = {"source": path.name, "prompts": paired["prompts"], "samples": paired["samples"],

@@ -693,3 +693,11 @@ def test_paired_report_puts_methods_seeds_and_tags_side_by_side(tmp_path):
     assert json.loads((tmp_path / "report.json").read_text()) == out and (tmp_path / "report.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="LABEL=PATH"):
         report.main(["--arm", "no-label", "--out", str(tmp_path / "x")])
+    # an arm of that published report beside a new one, as published (its runs are gone)
+    again = report.main(["--arm", f"AWM then={tmp_path / 'report.json'}#AWM", "--arm", f"new={tmp_path / 'arm.json'}",
+                         "--out", str(tmp_path / "again")])
+    assert {k: v for k, v in again["arms"]["AWM then"].items() if k != "source"} == {
+        k: v for k, v in arm.items() if k != "source"}
+    assert again["arms"]["AWM then"]["source"] == "report.json#AWM" and again["arms"]["new"]["source"] == "arm.json"
+    with pytest.raises(SystemExit, match="has no arm 'GRPO'; its arms: AWM"):
+        report.main(["--arm", f"x={tmp_path / 'report.json'}#GRPO", "--out", str(tmp_path / "y")])
