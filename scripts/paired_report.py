@@ -10,7 +10,9 @@ r"""Paired held-out results of several methods over seeds, side by side: a compa
 Per arm and run: the seed and wall clock of the run (read from the run directory's ``config.yaml`` and ``train.log``
 while it exists), and the paired change of the reward and of every reward component, overall and per segment
 (``segment<k>/<name>``), with its standard error; per arm the mean change over its runs. ``--arm LABEL=REPORT.json#ARM``
-takes an arm of a report this script wrote before, as it was published (its runs need not exist any more). ``--apart LABEL=JSON``
+takes an arm of a report this script wrote before, as it was published (its runs need not exist any more).
+``--train-metrics KEYS`` adds, per run, the mean of each logged training metric over the first and the last quarter
+of its iterations (read from the run directory's ``metrics.jsonl``). ``--apart LABEL=JSON``
 adds other paired evaluations of an arm's runs (e.g. on another held-out file, per tag), reported per tag.
 """
 
@@ -52,11 +54,30 @@ def run_facts(run: str) -> dict:
     return out
 
 
-def summarise(paired: dict) -> list[dict]:
+def training_quarters(run: str, keys: list[str]) -> dict:
+    """Per key of ``keys`` logged in the run's ``metrics.jsonl`` (while it exists): its mean over the first and over
+    the last quarter of the iterations that logged it (NaN entries left out)."""
+    path = Path(run) / "metrics.jsonl"
+    if not keys or not path.is_file():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = {}
+    for key in keys:
+        values = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and r[key] == r[key]]
+        if values:
+            q = max(1, len(values) // 4)
+            out[key] = {"first_quarter": statistics.fmean(values[:q]), "last_quarter": statistics.fmean(values[-q:]),
+                        "iterations": len(values)}
+    return out
+
+
+def summarise(paired: dict, train_keys: list[str] = ()) -> list[dict]:
     runs = []
     for r in paired["runs"]:
         metrics = {k: {kk: v[kk] for kk in KEEP if kk in v} for k, v in r["metrics"].items() if v.get("n")}
-        runs.append(run_facts(r["run"]) | {"evaluated_iteration": r["iteration"], "metrics": metrics})
+        train = training_quarters(r["run"], list(train_keys))
+        runs.append(run_facts(r["run"]) | {"evaluated_iteration": r["iteration"], "metrics": metrics}
+                    | ({"training": train} if train else {}))
     return runs
 
 
@@ -110,15 +131,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--arm", action="append", required=True,
                    help="LABEL=paired_eval JSON, or LABEL=REPORT.json#ARM: an arm of an earlier report (repeatable)")
     p.add_argument("--apart", action="append", default=[], help="LABEL=paired_eval JSON reported per tag")
+    p.add_argument("--train-metrics", default="",
+                   help="comma-separated keys of the runs' metrics.jsonl: per run their mean over the first and the "
+                        "last quarter of training (e.g. taros/anti_freeze/saturation)")
     p.add_argument("--out", type=Path, required=True, help="output stem: STEM.json and STEM.png")
     args = p.parse_args(argv)
+    train_keys = [k for k in args.train_metrics.split(",") if k]
     report: dict = {"arms": {}, "apart": {}}
     for label, path in map(_labelled, args.arm):
         if "#" in path.name:  # an arm of a report this script wrote: its runs as published, kept as they are
             report["arms"][label] = published_arm(path)
             continue
         paired = json.loads(path.read_text())
-        runs = summarise(paired)
+        runs = summarise(paired, train_keys)
         report["arms"][label] = {"source": path.name, "prompts": paired["prompts"], "samples": paired["samples"],
                                  "test_file": paired.get("test_file"), "runs": runs, "mean": mean_over_runs(runs)}
     for label, path in map(_labelled, args.apart):

@@ -682,12 +682,19 @@ def test_paired_report_puts_methods_seeds_and_tags_side_by_side(tmp_path):
                          "by_tag/one_object_stream/reward": metric(c), "by_tag/two_object_stream/reward": metric(-c)},
              "samples": {"base": {}, "trained": {}}} for s, c in ((0, 0.02), (1, 0.04))]
     (tmp_path / "arm.json").write_text(json.dumps({"prompts": 100, "samples": 2, "runs": runs}))
+    # 8 iterations logged by the first run: its training metrics' first and last quarters (2 iterations each)
+    (tmp_path / "s0" / "metrics.jsonl").write_text("".join(
+        json.dumps({"iteration": i, "taros/speed/saturation": i / 10, "adv/x": float("nan")}) + "\n"
+        for i in range(1, 9)) + json.dumps({"iteration": 8, "eval/reward": 0.4}) + "\n")
     out = report.main(["--arm", f"AWM={tmp_path / 'arm.json'}", "--apart", f"AWM={tmp_path / 'arm.json'}",
-                       "--out", str(tmp_path / "report")])
+                       "--train-metrics", "taros/speed/saturation,adv/x", "--out", str(tmp_path / "report")])
     arm = out["arms"]["AWM"]
     assert [(r["seed"], r["seconds"]) for r in arm["runs"]] == [(0, 870.5), (1, 930.5)]
     assert arm["mean"]["reward"]["change"] == pytest.approx(0.03) and arm["mean"]["direction"]["change"] == pytest.approx(0.06)
     assert "recovery" not in arm["runs"][0]["metrics"]                    # a metric no sample had is left out
+    assert arm["runs"][0]["training"] == {"taros/speed/saturation": {
+        "first_quarter": pytest.approx(0.15), "last_quarter": pytest.approx(0.75), "iterations": 8}}
+    assert "training" not in arm["runs"][1]                               # no metrics.jsonl
     assert set(out["apart"]["AWM"]["runs"][1]["by_tag"]) == {"by_tag/one_object_stream/reward",
                                                             "by_tag/two_object_stream/reward"}
     assert json.loads((tmp_path / "report.json").read_text()) == out and (tmp_path / "report.png").stat().st_size > 0
