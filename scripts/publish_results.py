@@ -455,6 +455,12 @@ def kvpo_comparison_table() -> str:
     baselines = load(STREAM_ONE_OBJECT)["arms"]
     arms = [(label, baselines[key]) for label, key in STREAM_BASELINES] + list(load(KVPO_PAIRED)["arms"].items()) \
         + list(load(KVPO_48)["arms"].items())
+    return _paired_runs_table(arms)
+
+
+def _paired_runs_table(arms: list[tuple[str, dict]]) -> str:
+    """Per run of each ``(label, arm)`` (scripts/paired_report.py's arms) the paired held-out change of the
+    long-video reward and its components and the run's wall clock; per arm of several runs their mean ± std."""
     rows = []
     for label, arm in arms:
         runs = arm["runs"]
@@ -467,6 +473,34 @@ def kvpo_comparison_table() -> str:
             rows.append([f"{label}: mean ± std over {len(runs)} seeds",
                          *(f"{statistics.fmean(v):+.3f} ± {statistics.stdev(v):.3f}" for v in spread), ""])
     return _table(["method, seed", "reward", *(c.replace("_", "-") for c in COMPONENTS), "run"], rows)
+
+
+#: TaRoS on the long-video aspects through streaming AWM, beside streaming AWM's one-thread runs (published arm)
+TAROS_LONG_VIDEO = "taros_long_video.json"
+#: the long-video reward's eight aspects, TaRoS's components there
+TAROS_LONG_VIDEO_ASPECTS = ("adherence", "direction", "speed", "identity", "teleport", "smoothness", "recovery",
+                            "anti_freeze")
+
+
+def taros_long_video_table() -> str:
+    """The rewards page's TaRoS-on-long-video comparison: per run the paired held-out change (as the streaming page's
+    comparison), then TaRoS's per-aspect diagnostics over training, mean over its seeds (first → last quarter)."""
+    arms = load(TAROS_LONG_VIDEO)["arms"]
+    paired = _paired_runs_table(list(arms.items()))
+    rows = []
+    runs = [r for arm in arms.values() for r in arm["runs"] if "training" in r]
+    label = next(lbl for lbl, arm in arms.items() if any("training" in r for r in arm["runs"]))
+    for aspect in TAROS_LONG_VIDEO_ASPECTS:
+        cells = []
+        for key in (f"taros/{aspect}/saturation", f"taros/{aspect}/zeroed", f"groups/{aspect}/zero_std_group_fraction",
+                    f"groups/{aspect}/group_std_mean"):
+            first = statistics.fmean(r["training"][key]["first_quarter"] for r in runs)
+            last = statistics.fmean(r["training"][key]["last_quarter"] for r in runs)
+            cells.append(f"{first:.3f} → {last:.3f}")
+        rows.append([aspect.replace("_", "-"), *cells])
+    diagnostics = _table([f"aspect ({label}, mean over {len(runs)} seeds; first → last quarter of training)",
+                          "σ/σ̄ in groups", "entries zeroed", "groups with no spread", "spread in groups (std)"], rows)
+    return paired + "\n\n" + diagnostics
 
 
 def stream_apart_table() -> str:
@@ -944,6 +978,7 @@ BLOCKS = {
     "video-taros": (DOCS / "results.md", video_taros_table),
     "taros-shortcut-sweep": (DOCS / "rewards.md", taros_shortcut_sweep_table),
     "taros-shortcut": (DOCS / "rewards.md", taros_shortcut_table),
+    "taros-long-video": (DOCS / "rewards.md", taros_long_video_table),
     "streaming-runs": (DOCS / "results.md", streaming_runs_table),
     "streaming-presets": (DOCS / "results.md", streaming_table),
     "provenance": (DOCS / "results.md", provenance_table),
