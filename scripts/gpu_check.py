@@ -66,9 +66,9 @@ MODELS = {
     # Self-Forcing's geometry (81 frames: 7 blocks of 3 latent frames, 4 steps each, every earlier frame attended) and
     # one GPU's share of its presets' batch, groups of 4: LoRA rank 256, gradient checkpointing, 2 streams per
     # micro-batch; experiment=stream_grpo_self_forcing rolls 2 streams out at a time and keeps the trained blocks'
-    # caches in host memory, experiment=stream_awm_self_forcing rolls the whole group out at once. Planned peaks
-    # (plan_of, on an H100): stream_grpo 27.8 GiB (rollout), kvpo 32.6 GiB (update), stream_awm with 2 streams per
-    # micro-batch 74.7 GiB (update; 41.9 GiB in the rollout)
+    # caches in host memory, experiment=stream_awm_self_forcing rolls 2 out at a time and trains one per micro-batch.
+    # Planned peaks (plan_of, on an H100): stream_grpo 27.8 GiB (rollout), kvpo 32.6 GiB (update), stream_awm with 2
+    # streams per micro-batch and the whole group rolled out at once 74.7 GiB (update; 41.9 GiB in the rollout)
     "self_forcing_wan": ("self_forcing_wan", [
         "model.pretrained=random-init:wan21_1_3b", "model.stream.checkpoint=null", "model.stream.lora_checkpoint=null",
         "model.gradient_checkpointing=true", "model.lora.rank=256", "model.lora.alpha=256.0",
@@ -77,8 +77,9 @@ MODELS = {
         "stream_grpo:trainer.rollout_batch_size=2", "stream_grpo:trainer.offload_kept_context=true",
         # streaming AWM's teacher-forced forward (per stream 42 frames of 1,560 tokens, 21 clean and 21 noisy, under
         # a frame mask) of 2 streams leaves less than the planner's tenth of an 80 GB card: one stream per micro-batch
-        # (not planned here: less than 74.7 GiB)
+        # and 2 rolled out at a time, as its preset
         "stream_awm:trainer.train_batch_size=1", "stream_awm:trainer.gradient_accumulation_steps=4",
+        "stream_awm:trainer.rollout_batch_size=2",
         # KVPO routes a block to older frames outside its attention window, and Self-Forcing attends every earlier
         # frame: this row streams with LongLive's window (conf/model/longlive_wan.yaml: sink 3 + window 9) and, as
         # experiment=kvpo_longlive, keeps older frames cached for the routes (its 33-frame buffer holds all 21 here:
