@@ -442,6 +442,8 @@ KVPO_PAIRED = "kvpo_paired.json"
 #: the preset's runs at 48 iterations with an EMA (decay 0.9), read through the EMA and through the trained weights,
 #: each on 400 held-out videos (100 sequences x 4)
 KVPO_48 = "kvpo_48.json"
+#: the preset (36 iterations) run again at a later commit, each on 400 held-out videos (100 sequences x 4)
+KVPO_PRESET_400 = "kvpo_preset_400.json"
 #: the streaming page's comparison: the independent-stream methods' one-thread runs beside KVPO's
 STREAM_BASELINES = [("streaming AWM (one thread)", "streaming AWM, one thread each"),
                     ("streaming GRPO, lr 2e-5", "streaming GRPO, lr 2e-5")]
@@ -454,7 +456,7 @@ def kvpo_comparison_table() -> str:
     the mean ± std of those changes over seeds."""
     baselines = load(STREAM_ONE_OBJECT)["arms"]
     arms = [(label, baselines[key]) for label, key in STREAM_BASELINES] + list(load(KVPO_PAIRED)["arms"].items()) \
-        + list(load(KVPO_48)["arms"].items())
+        + list(load(KVPO_48)["arms"].items()) + list(load(KVPO_PRESET_400)["arms"].items())
     return _paired_runs_table(arms)
 
 
