@@ -19,7 +19,7 @@ measured on a world record the fingerprint of its preset at the time (``docs/res
 a reference moves, every result of that world that was not measured again must be marked stale in the same commit
 (``tests/test_published_results.py`` checks it).
 
-The runs use ``THREADS`` CPU threads (the numbers were the same with 1 and 2). The reference records the CPU
+The runs use ``THREADS`` CPU threads: ``OMP_NUM_THREADS`` when set, else 2 (the numbers were the same with 1 and 2). The reference records the CPU
 kernels it ran (``torch.backends.cpu.get_cpu_capability()``): on another instruction set (AVX2 against AVX-512) the
 losses, ratios and gradient norms of a short run move in their last digits, which ``RTOL`` / ``ATOL`` allow, while a
 changed learning rate moves them by far more.
@@ -44,7 +44,7 @@ from flowgrpo.runlog import code_label, code_version  # noqa: E402  (light: no t
 
 REFERENCE = REPO / "tests" / "data" / "tripwire.json"
 RTOL, ATOL = 2e-4, 1e-7
-THREADS = 2
+THREADS = int(os.environ.get("OMP_NUM_THREADS") or 2)  # the test suite's workers set 1
 #: keys that vary from run to run of the same computation (wall times), or that only count work
 SKIP_PREFIXES = ("time/", "memory/", "throughput/")
 

@@ -14,6 +14,7 @@ import flowgrpo.config  # noqa: F401  (registers the schemas)
 from flowgrpo.algorithms import Scores
 from flowgrpo.algorithms.kvpo import RoutingPlan, kvpo_loss, route_fn, unrouted_positions
 from flowgrpo.algorithms.old_policy import OldPolicy
+from twins import suite_threads  # tests/twins.py
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -39,7 +40,7 @@ def make_trainer(out, *overrides):
 def rolled(tmp_path_factory):
     """One trainer and one scored rollout of 2 prompts × (2 branches + the reference run)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(suite_threads())
     out = tmp_path_factory.mktemp("kvpo")
     trainer = make_trainer(out)
     seen = []  # (frame_offset, positions per row) of every routed call, from the model's own route hook

@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 
 import flowgrpo.config  # noqa: F401  (registers the schemas)
 from flowgrpo.config import ConfigError, validate
+from twins import suite_threads  # tests/twins.py
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
@@ -34,7 +35,7 @@ def make_cfg(out, *overrides):
 @pytest.fixture(autouse=True)
 def _threads():
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(suite_threads())
     yield
     torch.set_num_threads(before)
 

@@ -6,6 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def suite_threads() -> int:
+    """Torch threads a test computes on: 1 on a pytest-xdist worker (tests/conftest.py), else 2."""
+    import os
+
+    return 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+
+
 def byte_level_clip_tokenizer():
     """A tiny working CLIP tokenizer over the 256 byte-level symbols (built in memory: no model hub offline)."""
     from flowgrpo.models.tiny import tiny_clip_tokenizer  # tests may import every package; one builder
