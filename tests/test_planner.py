@@ -40,20 +40,21 @@ def tiny_dir(tmp_path_factory):
     return path
 
 
+def _load_tiny_sd3(model):
+    """The real run's pipeline: the tiny twin's weights loaded from its folder."""
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(model.pretrained, text_encoder_3=None, tokenizer_3=None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def test_plan_peak_equals_real_run_at_tiny_size(tiny_dir):
     """Every phase's peak under fake tensors equals the same phases on real tensors (real weights loaded from disk)
     within 1% — what the fake mode, the tracker and the planner's bookkeeping add or lose, at zero cost."""
-    from diffusers import StableDiffusion3Pipeline
-
     cfg = _compose([*TINY, f"model.pretrained={tiny_dir}"])
     planned = plan_run(cfg, num_processes=1)
-
-    def load(model):
-        pipe = StableDiffusion3Pipeline.from_pretrained(model.pretrained, text_encoder_3=None, tokenizer_3=None)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
-
-    real = plan_run(cfg, num_processes=1, fake=False, build=load)
+    real = plan_run(cfg, num_processes=1, fake=False, build=_load_tiny_sd3)
     assert [p.name for p in planned.phases] == ["rollout", "update", "eval"]
     for p, r in zip(planned.phases, real.phases):
         assert p.peak_bytes > 0 and r.peak_bytes > 0
@@ -64,6 +65,18 @@ def test_plan_peak_equals_real_run_at_tiny_size(tiny_dir):
     update = planned.phases[1]
     assert update.split["activations"] > 0 and update.split["weights"] > 0
     assert planned.params["trainable"] < planned.params["transformer"]  # LoRA
+
+
+def test_rows_that_share_their_leaders_noise_are_planned_as_they_run(tiny_dir):
+    """DanceGRPO's shared initial noise (``algo.shared_noise=true``: a group's rows start from its leader's state,
+    which the rollout checks by comparing their noise) plans on fake tensors, whose values cannot be compared, and
+    equals the real run. At 128 px the noise is large enough to stay fake in the plan (as at real size)."""
+    cfg = _compose([*TINY, f"model.pretrained={tiny_dir}", "sampler=dance", "algo=dance_grpo", "algo.shared_noise=true",
+                    "trainer.ema.enabled=false", "model.height=128", "model.width=128"])
+    planned = plan_run(cfg, num_processes=1, phases=("rollout",))
+    real = plan_run(cfg, num_processes=1, fake=False, phases=("rollout",), build=_load_tiny_sd3)
+    (p,), (r,) = planned.phases, real.phases
+    assert abs(p.peak_bytes - r.peak_bytes) <= 0.01 * r.peak_bytes and p.flops == r.flops > 0
 
 
 def test_tracker_agrees_with_pytorch_memtracker():
