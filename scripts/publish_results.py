@@ -601,7 +601,7 @@ def iteration_cost_table() -> str:
 
 
 PLANS = ("flow_grpo_sd35m_geneval", "flow_grpo_sd35l_geneval", "flow_grpo_wan21_1_3b", "flow_grpo_wan22_5b",
-         "stream_grpo_self_forcing", "stream_awm_self_forcing", "kvpo_longlive")
+         "dance_grpo_flux_hps", "stream_grpo_self_forcing", "stream_awm_self_forcing", "kvpo_longlive")
 
 
 def run_plans_table() -> str:
