@@ -357,16 +357,8 @@ class MemoryTracker(TorchDispatchMode):
                 if func in _INDEX_OPS and len(args) > 1:  # a real boolean mask: its indices are known, use them
                     args = (args[0], _mask_indices(args[1]), *args[2:])
                 out = func(*args, **kwargs)
-            elif inputs:  # only real inputs: bookkeeping, real; a large result stays fake (see _real_unless_large)
+            else:  # a factory, or only real inputs (bookkeeping): real when small (see _real_unless_large)
                 out = self._real_unless_large(func, args, kwargs)
-            else:  # a factory: real when small
-                out = func(*args, **kwargs)
-                outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-                # made fake and small: made again, real (once: a draw made real already, inside _real(), is kept, or
-                # a generator would advance twice and a random plan differ from the real run's)
-                if outs and all(isinstance(t, FakeTensor) and t.numel() <= self.small_real for t in outs):
-                    with _real():
-                        out = func(*args, **kwargs)
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)
@@ -374,15 +366,23 @@ class MemoryTracker(TorchDispatchMode):
 
 
     def _real_unless_large(self, func, args, kwargs):
-        """An op on real inputs alone, run real if its result is small (code may read it back: row indices, a frame
-        mask's widths), fake if it is large: a result that big is only computed with, never read, and made real it
-        would take real memory (a streaming frame mask expanded to a real-size run's tokens is 65,520² elements).
-        The shape comes from a fake run first; an op whose shape depends on the data (``nonzero``, ``.item()``) has no
-        fake run and runs real."""
+        """An op none of whose inputs is fake (a factory, or bookkeeping on real tensors): run real if its result is
+        small (code may read it back: row indices, a frame mask's widths, a random plan), fake if it is large: a
+        result that big is only computed with, never read, and made real it would take real memory (a streaming
+        frame mask expanded to a real-size run's tokens is 65,520² elements).
+
+        The op runs real once at most. Its shape comes first from a run on fake copies of its inputs, which touches
+        no real tensor (an in-place op is not applied twice) and draws from no real generator (a random plan is the
+        real run's); an op whose shape depends on the data (``nonzero``, ``.item()``) has no such run and runs real.
+        Inside :func:`_real` there is no fake mode: the op runs real, once."""
         from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
+        fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        if fake is None:
+            return func(*args, **kwargs)
+        fake_args, fake_kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, fake.from_tensor, (args, kwargs))
         try:
-            out = func(*args, **kwargs)
+            out = func(*fake_args, **fake_kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
             out = None
         outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]

@@ -307,8 +307,11 @@ def test_results_of_real_inputs_stay_real_when_small_and_fake_when_large():
     """Under fake tensors an op on real inputs alone (bookkeeping) runs real when its result is small, so code can
     read it back, and stays fake when large: a streaming frame mask expanded to a real-size run's tokens (65,520² at
     Self-Forcing's size) is only computed with, and made real it would take that memory on the planning machine. An
-    op whose shape depends on the data (``nonzero``) runs real. The large one is still planned (tracked)."""
+    op whose shape depends on the data (``nonzero``) runs real. The large one is still planned (tracked). Each runs
+    real once at most: an in-place op on a real tensor is applied once, inside ``_real()`` too."""
     from torch._subclasses.fake_tensor import FakeTensor
+
+    from flowgrpo.planner import _real
 
     tracker = MemoryTracker()
     tracker.small_real = 65536
@@ -321,6 +324,11 @@ def test_results_of_real_inputs_stay_real_when_small_and_fake_when_large():
         assert tracker.peak >= 1024 * 1024
         where = frames.nonzero()
         assert not isinstance(where, FakeTensor) and where.shape == (10, 2)
+        counts = torch.zeros(3)
+        counts.add_(1)
+        with _real():
+            counts.add_(1)
+        assert counts.tolist() == [2.0, 2.0, 2.0]
 
 
 def test_tracker_counts_host_copies_apart_from_the_gpu():
