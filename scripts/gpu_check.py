@@ -303,7 +303,8 @@ def check(model: str, algorithm: str, iterations: int, warmup: int, tiny: bool, 
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        lines = str(err).strip().splitlines()
+        message = lines[0] if lines else type(err).__name__
         print(f"{model} {algorithm}: out of memory ({message}); planned "
               f"{planned.get('plan_peak_gib', float('nan')):.2f} GiB", file=sys.stderr)
         return {"error": f"out of memory: {message}", "seconds_per_iteration": None, "peak_memory_gib": peak,

@@ -13,13 +13,13 @@ for _var in ("WANDB_DIR", "WANDB_DATA_DIR", "WANDB_CACHE_DIR"):
 # pyproject.toml's addopts run the suite on 2 pytest-xdist workers (one per core of the machine it is sized for); each
 # worker, and every process a test starts, computes on one thread, so that threads never outnumber cores (an OpenMP
 # thread that spins waiting for a busy core slows a run many times over). Run alone (-n 0), a test gets 2 threads.
-if os.environ.get("PYTEST_XDIST_WORKER"):
+from twins import suite_threads  # noqa: E402  (tests/twins.py; imports no torch)
+
+if suite_threads() == 1:
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-from twins import suite_threads  # noqa: E402  (tests/twins.py)
 
 torch.set_num_threads(suite_threads())
 
