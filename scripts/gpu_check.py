@@ -67,8 +67,8 @@ MODELS = {
     # one GPU's share of its presets' batch, groups of 4: LoRA rank 256, gradient checkpointing, 2 streams per
     # micro-batch; experiment=stream_grpo_self_forcing rolls 2 streams out at a time and keeps the trained blocks'
     # caches in host memory, experiment=stream_awm_self_forcing rolls 2 out at a time and trains one per micro-batch.
-    # Planned peaks (plan_of, on an H100): stream_grpo 27.8 GiB (rollout), kvpo 32.6 GiB (update), stream_awm with 2
-    # streams per micro-batch and the whole group rolled out at once 74.7 GiB (update; 41.9 GiB in the rollout)
+    # Planned peaks (plan_of, on an H100): stream_grpo 27.8 GiB (rollout), kvpo 32.6 GiB (update), stream_awm 46.4 GiB
+    # (update; with 2 streams per micro-batch and the whole group rolled out at once it planned at 74.7)
     "self_forcing_wan": ("self_forcing_wan", [
         "model.pretrained=random-init:wan21_1_3b", "model.stream.checkpoint=null", "model.stream.lora_checkpoint=null",
         "model.gradient_checkpointing=true", "model.lora.rank=256", "model.lora.alpha=256.0",
@@ -83,7 +83,7 @@ MODELS = {
         # KVPO routes a block to older frames outside its attention window, and Self-Forcing attends every earlier
         # frame: this row streams with LongLive's window (conf/model/longlive_wan.yaml: sink 3 + window 9) and, as
         # experiment=kvpo_longlive, keeps older frames cached for the routes (its 33-frame buffer holds all 21 here:
-        # the preset's null) and rolls the group out 2 branches at a time
+        # the preset's null); it streams 2 branches at a time (the preset, at 585 frames: 1)
         "kvpo:model.stream.sink_frames=3", "kvpo:model.stream.window_frames=9", "kvpo:algo.branch_batch=2"]),
 }
 TINY = {
