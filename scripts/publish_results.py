@@ -490,8 +490,12 @@ def taros_long_video_table() -> str:
     arms = load(TAROS_LONG_VIDEO)["arms"]
     paired = _paired_runs_table(list(arms.items()))
     rows = []
-    runs = [r for arm in arms.values() for r in arm["runs"] if "training" in r]
-    label = next(lbl for lbl, arm in arms.items() if any("training" in r for r in arm["runs"]))
+    # the arm trained with TaRoS: its runs' training records TaRoS's diagnostics (every arm may record the groups')
+    def aggregated(run):
+        return "taros/adherence/saturation" in run.get("training", {})
+
+    label = next(lbl for lbl, arm in arms.items() if any(aggregated(r) for r in arm["runs"]))
+    runs = [r for r in arms[label]["runs"] if aggregated(r)]
     for aspect in TAROS_LONG_VIDEO_ASPECTS:
         cells = []
         for key in (f"taros/{aspect}/saturation", f"taros/{aspect}/zeroed", f"groups/{aspect}/zero_std_group_fraction",
