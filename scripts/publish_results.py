@@ -477,7 +477,7 @@ def _paired_runs_table(arms: list[tuple[str, dict]]) -> str:
     return _table(["method, seed", "reward", *(c.replace("_", "-") for c in COMPONENTS), "run"], rows)
 
 
-#: TaRoS on the long-video aspects through streaming AWM, beside streaming AWM's one-thread runs (published arm)
+#: TaRoS on the long-video aspects through streaming AWM, beside streaming AWM's one-thread runs with the weighted mean
 TAROS_LONG_VIDEO = "taros_long_video.json"
 #: the long-video reward's eight aspects, TaRoS's components there
 TAROS_LONG_VIDEO_ASPECTS = ("adherence", "direction", "speed", "identity", "teleport", "smoothness", "recovery",
@@ -489,13 +489,13 @@ def taros_long_video_table() -> str:
     comparison), then TaRoS's per-aspect diagnostics over training, mean over its seeds (first → last quarter)."""
     arms = load(TAROS_LONG_VIDEO)["arms"]
     paired = _paired_runs_table(list(arms.items()))
-    rows = []
-    # the arm trained with TaRoS: its runs' training records TaRoS's diagnostics (every arm may record the groups')
-    def aggregated(run):
-        return "taros/adherence/saturation" in run.get("training", {})
+
+    def aggregated(run):  # a run trained with TaRoS records its diagnostics (every run may record the groups')
+        return f"taros/{TAROS_LONG_VIDEO_ASPECTS[0]}/saturation" in run.get("training", {})
 
     label = next(lbl for lbl, arm in arms.items() if any(aggregated(r) for r in arm["runs"]))
     runs = [r for r in arms[label]["runs"] if aggregated(r)]
+    rows = []
     for aspect in TAROS_LONG_VIDEO_ASPECTS:
         cells = []
         for key in (f"taros/{aspect}/saturation", f"taros/{aspect}/zeroed", f"groups/{aspect}/zero_std_group_fraction",
