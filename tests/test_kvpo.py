@@ -64,7 +64,7 @@ def test_a_re_cache_right_after_the_routed_blocks_re_encodes_unrouted():
     decides how a routed block is generated, not how a switch re-encodes it), so a branch's stream runs through
     the switch and equals one whose re-cache was run with no route at all; the routed blocks still differ from the
     unrouted stream's."""
-    frames, switch = 12, 8
+    frames, switch = 14, 10
     plans = [plan_routing(frames, 1, 1, 4, num_branches=2, routed_blocks=2, nearest_m=1, seed=0, prompt_index=i,
                           recache=True, segment_starts=[switch]) for i in range(40)]
     plan = next(p for p in plans if p.fork_frame < switch and p.end_frame > switch + 1 - 4)
@@ -136,7 +136,7 @@ def test_plan_is_deterministic_per_seed_and_varies_across_iterations_and_prompts
     dict(num_frames=60, block_frames=3, sink_frames=3, window_frames=9, nearest_m=1, routed_blocks=3,
          cache_frames=24),
     dict(num_frames=30, block_frames=1, sink_frames=1, window_frames=5, nearest_m=2, routed_blocks=4,
-         cache_frames=10),
+         cache_frames=11),
 ])
 def test_planned_positions_are_older_outside_the_nearest_frames_and_cached(geometry, outside_window):
     g = geometry
@@ -174,6 +174,24 @@ def test_segment_starts_and_fork_range_are_respected_and_errors_name_the_argumen
         plan_routing(40, 2, 2, 8, cache_frames=9)
 
 
+def test_no_fork_gives_every_branch_the_same_frames():
+    """A pool of exactly n frames is one selection: such forks are not eligible, so every plan's branches differ
+    (kvpo_shapes' geometry: blocks 1, sink 1, window 4, nearest 1, n = 2; fork 6's pool [1, 3) is that one
+    selection), and a geometry whose every pool is one selection is refused, naming the rule."""
+    for starts in ((), (4,), (7,), (4, 8), (3, 6, 9)):
+        for m in (0, 1):
+            for i in range(30):
+                plan = plan_routing(13, 1, 1, 4, num_branches=4, routed_blocks=2, nearest_m=m, iteration=i,
+                                    segment_starts=starts)
+                assert plan.pool_end - plan.pool_start > plan.num_older
+                assert len({tuple(b) for b in plan.positions_per_branch}) >= 2
+    assert 6 not in plan_routing(13, 1, 1, 4, routed_blocks=2, nearest_m=1).eligible_forks
+    assert 6 in plan_routing(14, 1, 1, 4, routed_blocks=2, nearest_m=0, min_fork_frame=6,
+                             outside_window=False).eligible_forks     # [1, 6): 5 frames for branches of 3
+    with pytest.raises(ValueError, match="more than n = 2 older frames"):
+        plan_routing(7, 1, 1, 4, routed_blocks=1, nearest_m=1)      # its one fork, 6, has the pool [1, 3)
+
+
 def test_after_switch_forks_only_where_the_window_still_shows_the_old_segment():
     """``fork="after_switch"`` draws among the eligible forks ``s <= f < s + w - b`` after a switch ``s`` (the fork
     block's unrouted window reaches back before it); ``"anywhere"`` is the default and draws exactly as before."""
@@ -182,7 +200,8 @@ def test_after_switch_forks_only_where_the_window_still_shows_the_old_segment():
     anywhere = [plan_routing(13, 1, 1, 4, iteration=i, fork="anywhere", **geometry) for i in range(20)]
     assert default == anywhere
     after = [plan_routing(13, 1, 1, 4, iteration=i, fork="after_switch", **geometry) for i in range(40)]
-    assert set(default[0].eligible_forks) == {6, 8, 9, 10, 11}      # 7's routed blocks would cross the switch
+    # 6's pool is its branches' 2 frames (every branch would be the same), 7's routed blocks would cross the switch
+    assert set(default[0].eligible_forks) == {8, 9, 10, 11}
     assert set(after[0].eligible_forks) == {8, 9, 10}               # windows [f - 3, f] holding frame 7
     assert {p.fork_frame for p in after} == {8, 9, 10}
     for plan in after:                                             # each branch still attends a full, older pool

@@ -335,10 +335,11 @@ def test_a_re_caching_model_streams_branches_whose_routed_blocks_a_switch_re_wri
     train.write_text("".join(json.dumps(s) + "\n" for s in one_switch))
     trainer = make_trainer(tmp_path / "run", "model=causal_wan_shapes_4step", "model.stream.recache=true",
                            f"data.train_file={train}", "trainer.prompts_per_iteration=1",
-                           "trainer.train_batch_size=3", "algo.routed_blocks=1")
+                           "trainer.train_batch_size=3", "algo.routed_blocks=1", "algo.outside_window=false")
     wan = trainer.adapter.wan
-    # blocks of 1 frame, sink 1, window 4: the one fork whose routed block ends at the switch (frame 7) is 6, whose
-    # pool [1, 3) just holds the 2 older frames a branch routes to; drawn uniformly among the eligible forks
+    # blocks of 1 frame, sink 1, window 4: the one fork whose routed block ends at the switch (frame 7) is 6; its
+    # pool outside the unrouted window, [1, 3), is the one pair of frames (every branch the same: not eligible), so
+    # the pool reaches into the window, [1, 5); the fork is drawn uniformly among the eligible ones
     for iteration in range(40):
         batch = trainer.rollout(trainer.plan(iteration), iteration)
         plan = batch.extras["routing"][0]

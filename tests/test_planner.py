@@ -232,7 +232,7 @@ STREAMS = {  # tiny twins of the streaming presets: (overrides, pixel frames, pr
     # branches streamed at a time, forks after the switch
     "kvpo": (["experiment=kvpo_shapes", "model=causal_wan_shapes_4step", "trainer.prompts_per_iteration=1",
               "trainer.group_size=3", "trainer.train_batch_size=1", "trainer.gradient_accumulation_steps=3",
-              "algo.branch_batch=2"], 25, (13,), ("rollout", "update")),
+              "algo.branch_batch=2"], 33, (13,), ("rollout", "update")),
 }
 
 

@@ -12,13 +12,19 @@ the block), so every row of a batch attends the same count and routing changes *
 Positions are absolute frame positions, by which CausalWan's cache addresses its frames, so the planned frames
 are the frames attended, whatever the cache has evicted. The fork ``f₀`` (a block start) is eligible when the ``P`` routed
 blocks ``[f₀, f₀ + P·b)`` fit in the stream and do not cross a segment start, ``f₀ ≥ s + w`` (a full window
-behind it), and the pool of older frames holds at least ``n`` frames. The pool is ``[lo, hi)`` with
+behind it), and the pool of older frames holds more than ``n`` frames. The pool is ``[lo, hi)`` with
 
 * ``hi = f₀ + b − w`` (default, ``outside_window=True``): only frames the unrouted window of the fork block does
   not attend, so every branch attends ``n`` frames the reference branch does not; with ``outside_window=False``,
   ``hi = f₀ − m``: every frame before the nearest ones;
 * ``lo = s``, or with a bounded cache (``cache_frames = C``) ``lo = max(s, f₀ + (P − 1)·b − (C − s))``: the
   oldest frame still cached when the last routed block reads (CausalWan evicts the oldest non-sink frames first).
+
+A pool of exactly ``n`` frames is one selection: every branch would attend the same frames and stream the same
+video, so the group's branches tie, their TVE scores are equal and the group's gradient is exactly zero (a group of
+streams rolled out, decoded and scored for nothing). The official rule lists such forks (its pool needs ``n``
+frames); on a short stream they are a large share of the eligible ones (with 13 frames, sink 1, window 4 and
+``m = 1``, one fork in six), so they are left out here.
 
 The official rule (``plan_perturbation``) has the same ``lo`` and ``hi = f₀ − m_official``, where its
 ``m_official`` counts the block itself (its nearest slice ends at the end of the block): ``m_official = m + b``.
@@ -239,7 +245,7 @@ def plan_routing(
             if switched:  # CausalWan.recache_start of the latest switch: earlier non-sink frames were dropped
                 lo = max(lo, min(sink_frames, switched[-1]), switched[-1] + block_frames - window_frames)
         hi = f + block_frames - window_frames if outside_window else f - nearest_m
-        if hi - lo >= n:
+        if hi - lo > n:  # a pool of exactly n frames gives every branch the same frames (module docstring)
             eligible.append((f, lo, hi))
     if not eligible:
         raise ValueError(
@@ -248,7 +254,8 @@ def plan_routing(
             + (f", fork <= {latest}" if max_fork_frame is not None else "")
             + (f", within {max(after, 1)} frames after a segment start of {starts} (fork=after_switch)"
                if fork == "after_switch" else "")
-            + f", and a pool of >= {n} older frames (window_frames={window_frames}, nearest_m={nearest_m}, "
+            + f", and a pool of more than n = {n} older frames, so that branches can differ "
+            f"(window_frames={window_frames}, nearest_m={nearest_m}, "
             f"cache_frames={cache_frames}, outside_window={outside_window}, recache={recache})")
 
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(iteration), int(prompt_index)]))
