@@ -444,6 +444,9 @@ KVPO_PAIRED = "kvpo_paired.json"
 KVPO_48 = "kvpo_48.json"
 #: the preset (36 iterations) run again at a later commit, each on 400 held-out videos (100 sequences x 4)
 KVPO_PRESET_400 = "kvpo_preset_400.json"
+#: the preset, and the preset with no nearest frame (algo.nearest_m=0), once forks with one selection were left out,
+#: each on 400 held-out videos (100 sequences x 4)
+KVPO_FORKS = "kvpo_forks.json"
 #: the streaming page's comparison: the independent-stream methods' one-thread runs beside KVPO's
 STREAM_BASELINES = [("streaming AWM (one thread)", "streaming AWM, one thread each"),
                     ("streaming GRPO, lr 2e-5", "streaming GRPO, lr 2e-5")]
@@ -456,7 +459,8 @@ def kvpo_comparison_table() -> str:
     the mean ± std of those changes over seeds."""
     baselines = load(STREAM_ONE_OBJECT)["arms"]
     arms = [(label, baselines[key]) for label, key in STREAM_BASELINES] + list(load(KVPO_PAIRED)["arms"].items()) \
-        + list(load(KVPO_48)["arms"].items()) + list(load(KVPO_PRESET_400)["arms"].items())
+        + list(load(KVPO_48)["arms"].items()) + list(load(KVPO_PRESET_400)["arms"].items()) \
+        + list(load(KVPO_FORKS)["arms"].items())
     return _paired_runs_table(arms)
 
 
