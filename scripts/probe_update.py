@@ -24,6 +24,10 @@ a run's held-out evaluation asks of an update: prompts it was not computed from)
 The same summary is given per reward component (``same/component:NAME``, every row), for a reward that has
 components: which of them a step moves.
 
+``rolled`` records each batch as the untrained model rolled it out: its mean reward, the mean over its prompt groups
+of their reward std (``group_std``: how far apart the rewards the advantages rank lie) and the share of groups
+whose rewards all tie (``tied_groups``: no signal there).
+
 For KVPO the report splits the reference runs (the unrouted model, what generation uses) from the routed
 branches. Nothing is written besides the JSON: the run directory is a temporary one.
 """
@@ -146,8 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
     G = cfg.trainer.group_size
     start = snapshot(trainer)
     report = {"overrides": args.set, "algorithm": trainer.algorithm.name, "rollouts_per_batch": trainer.batch.rollouts,
-              "group_size": G, "updates_per_probe": args.updates, "batches": args.batches, "probes": [],
-              "summary": {}}
+              "group_size": G, "updates_per_probe": args.updates, "batches": args.batches, "rolled": [],
+              "probes": [], "summary": {}}
     # per (lr, sign, set, kind): group-mean reward changes over every batch, kind "same" or "fresh" noise
     changes: dict[tuple, list[float]] = {}
     sets = row_sets(trainer, trainer.batch.rollouts_per_process)
@@ -157,8 +161,13 @@ def main(argv: list[str] | None = None) -> dict:
         base = trainer.advantage(rolled(trainer, b, b, trained_weights=False))
         fresh0 = rolled(trainer, b, FRESH + b, trained_weights=True) if args.fresh else None
         other0 = rolled(trainer, OTHER + b, OTHER + b, trained_weights=True) if args.other else None
-        print(f"batch {b}: reward {float(base.rewards.mean()):.4f} (group std "
-              f"{float(base.rewards.view(-1, G).std(1).mean()):.4f}), {time.perf_counter() - t0:.0f} s", flush=True)
+        spread = base.rewards.double().cpu().view(-1, G).std(1)
+        report["rolled"].append({"batch": b, "reward": round(float(base.rewards.double().mean()), 5),
+                                 "group_std": round(float(spread.mean()), 5),
+                                 "tied_groups": round(float((spread == 0).double().mean()), 5)})
+        print(f"batch {b}: reward {float(base.rewards.mean()):.4f} (group std {float(spread.mean()):.4f}, groups "
+              f"with no spread {float((spread == 0).double().mean()):.2f}), {time.perf_counter() - t0:.0f} s",
+              flush=True)
         for lr in args.lrs:
             for sign in (1, -1):
                 t0 = time.perf_counter()

@@ -305,6 +305,11 @@ def test_probe_update_compares_an_update_with_its_negation_on_the_same_noise(tmp
                          "--out", str(tmp_path / "probe.json"), *[a for o in overrides for a in ("--set", o)]])
     assert json.loads((tmp_path / "probe.json").read_text()) == report
     assert len(report["probes"]) == 2 * 2 * 2 and report["rollouts_per_batch"] == 4
+    assert [r["batch"] for r in report["rolled"]] == [0, 1]
+    for r in report["rolled"]:  # groups of 2: std = |a - b| / sqrt(2), > 0 unless the pair ties
+        assert r["group_std"] >= 0 and 0 <= r["tied_groups"] <= 1 and (r["group_std"] > 0) == (r["tied_groups"] < 1)
+        assert r["reward"] == pytest.approx(report["probes"][0]["same/all/before"] if r["batch"] == 0 else
+                                            report["probes"][-1]["same/all/before"], abs=1e-4)
     for p in report["probes"]:
         if p["lr"] == 0:
             assert p["weight_change_norm"] == 0 and p["same/all/change"] == 0 and p["fresh/all/change"] == 0
