@@ -444,8 +444,8 @@ KVPO_PAIRED = "kvpo_paired.json"
 KVPO_48 = "kvpo_48.json"
 #: the preset (36 iterations) run again at a later commit, each on 400 held-out videos (100 sequences x 4)
 KVPO_PRESET_400 = "kvpo_preset_400.json"
-#: the preset, and the preset with no nearest frame (algo.nearest_m=0), once forks with one selection were left out,
-#: each on 400 held-out videos (100 sequences x 4)
+#: once forks with one selection were left out: the preset, with no nearest frame (algo.nearest_m=0) and with 8 routed
+#: branches a group, each on 400 held-out videos (100 sequences x 4)
 KVPO_FORKS = "kvpo_forks.json"
 #: the streaming page's comparison: the independent-stream methods' one-thread runs beside KVPO's
 STREAM_BASELINES = [("streaming AWM (one thread)", "streaming AWM, one thread each"),
