@@ -162,12 +162,12 @@ def main(argv: list[str] | None = None) -> dict:
         fresh0 = rolled(trainer, b, FRESH + b, trained_weights=True) if args.fresh else None
         other0 = rolled(trainer, OTHER + b, OTHER + b, trained_weights=True) if args.other else None
         spread = base.rewards.double().cpu().view(-1, G).std(1)
-        report["rolled"].append({"batch": b, "reward": round(float(base.rewards.double().mean()), 5),
-                                 "group_std": round(float(spread.mean()), 5),
-                                 "tied_groups": round(float((spread == 0).double().mean()), 5)})
-        print(f"batch {b}: reward {float(base.rewards.mean()):.4f} (group std {float(spread.mean()):.4f}, groups "
-              f"with no spread {float((spread == 0).double().mean()):.2f}), {time.perf_counter() - t0:.0f} s",
-              flush=True)
+        rolled_batch = {"batch": b, "reward": round(float(base.rewards.double().mean()), 5),
+                        "group_std": round(float(spread.mean()), 5),
+                        "tied_groups": round(float((spread == 0).double().mean()), 5)}
+        report["rolled"].append(rolled_batch)
+        print(f"batch {b}: reward {rolled_batch['reward']:.4f} (group std {rolled_batch['group_std']:.4f}, groups "
+              f"with no spread {rolled_batch['tied_groups']:.2f}), {time.perf_counter() - t0:.0f} s", flush=True)
         for lr in args.lrs:
             for sign in (1, -1):
                 t0 = time.perf_counter()
