@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-__all__ = ["knob"]
+__all__ = ["knob", "knob_of"]
 
 
 def knob(default: Any = MISSING, *, choices: tuple | None = None, ge: float | None = None,
@@ -27,3 +27,11 @@ def knob(default: Any = MISSING, *, choices: tuple | None = None, ge: float | No
     """A dataclass field carrying the constraints :func:`~flowgrpo.config.validate` checks."""
     meta = {k: v for k, v in dict(choices=choices, ge=ge, gt=gt, le=le).items() if v is not None}
     return field(default=default, metadata=meta)
+
+
+def knob_of(schema: type, name: str):
+    """Field ``name`` of the dataclass ``schema`` again, its default and constraints, for a schema with two parents
+    that both declare it: a dataclass takes each field from the last of its bases (in reverse method resolution
+    order) that has it, which may be one holding the common ancestor's default rather than the parent's override."""
+    parent = schema.__dataclass_fields__[name]
+    return field(default=parent.default, metadata=dict(parent.metadata))

@@ -655,3 +655,30 @@ def test_every_fork_at_longlives_geometry_streams_through_its_re_caches():
         unrouted = stream(None, stop)
         assert diff(branch[:, :, :fork], unrouted[:, :, :fork]) == 0
         assert diff(branch[:, :, fork:plan.end_frame], unrouted[:, :, fork:plan.end_frame]) > 1e-6
+
+
+def test_the_ablation_schema_has_kvpos_branches_and_streaming_awms_update():
+    """``algo=kvpo_awm``'s schema takes every field KVPO's branches declare from ``BranchingConfig`` and every field
+    streaming AWM's update declares from ``AWMUpdateConfig`` (``algo=stream_awm``'s parent), defaults and
+    constraints, the rest from ``AlgoConfig``: with two parents a dataclass takes a field from the later one in
+    reverse method resolution order, which can silently be a common ancestor's default."""
+    import dataclasses
+
+    from flowgrpo.algorithms.kvpo import BranchingConfig, KVPOAWMConfig
+    from flowgrpo.algorithms.stream_awm import AWMUpdateConfig, StreamAWMConfig
+    from flowgrpo.config import AlgoConfig
+
+    fields = {f.name: f for f in dataclasses.fields(KVPOAWMConfig)}
+    owners = {name: schema for schema in (AlgoConfig, BranchingConfig, AWMUpdateConfig)
+              for name in vars(schema).get("__annotations__", {})}
+    assert {n for n, s in owners.items() if s is BranchingConfig} >= {"adv_clip", "fork", "routed_blocks"}
+    assert {n for n, s in owners.items() if s is AWMUpdateConfig} >= {"kl_beta", "cfg_in_training", "group_noise"}
+    assert set(fields) == set(owners)
+    for name, f in fields.items():
+        parent = owners[name].__dataclass_fields__[name]
+        assert (f.default, dict(f.metadata)) == (parent.default, dict(parent.metadata)), name
+    c = KVPOAWMConfig(name="kvpo_awm")
+    assert (c.adv_clip, c.kl_beta, c.cfg_in_training) == (2.5, 0.001, False)
+    # streaming AWM keeps the same update knobs
+    assert all(StreamAWMConfig.__dataclass_fields__[n].default == AWMUpdateConfig.__dataclass_fields__[n].default
+               for n, s in owners.items() if s is AWMUpdateConfig)

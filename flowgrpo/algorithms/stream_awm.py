@@ -60,16 +60,17 @@ from .base import Algorithm, Batch, Scores, UpdateContext
 from .losses import keyed_noise, renoise
 from .old_policy import OldPolicy
 
-__all__ = ["StreamAWMConfig", "StreamAWM", "StreamingTrustRegion", "stratified_sigmas", "sigma_cdf", "schedule_shift", "segment_advantages"]
+__all__ = ["AWMUpdateConfig", "StreamAWMConfig", "StreamAWM", "StreamingTrustRegion", "stratified_sigmas", "sigma_cdf", "schedule_shift", "segment_advantages"]
 
 ADVANTAGES = ("stream", "segment", "stream+segment")
 
 
 @dataclass
-class StreamAWMConfig(AlgoConfig):
-    """``algo=stream_awm``: AWM's defaults (the authors' SD3 GenEval configuration) where they apply."""
+class AWMUpdateConfig(AlgoConfig):
+    """The knobs of streaming AWM's update, the one schema of every algorithm that trains with it
+    (``algo=stream_awm``, ``algo=kvpo_awm``): AWM's defaults (the authors' SD3 GenEval configuration) where they
+    apply."""
 
-    global_std: bool = True  # stream advantages: (r - mean_prompt) / std over the whole batch, as AWM
     cfg_in_training: bool = False  # must stay false: the teacher-forced update fits the conditional velocity
     kl_beta: float = knob(0.001, ge=0)  # weight of mean (v_theta - v_ref)^2, the reference = LoRA disabled
     ema_kl_beta: float = knob(1.0, ge=0)  # weight of mean (v_theta - v_ema)^2 (the trust region)
@@ -77,17 +78,25 @@ class StreamAWMConfig(AlgoConfig):
     weighting: str = knob("ghuber", choices=WEIGHTINGS)  # w(l, sigma) in the policy term, per block
     ghuber_power: float = knob(0.25, gt=0)  # p of the ghuber weighting
     advantage_max: float = knob(1.0, gt=0)  # clipped advantages scaled to [-advantage_max, advantage_max]
+    logit_mean: float = 0.0  # noise levels: u = sigmoid(N(logit_mean, logit_std^2)), as the pretraining draws them
+    logit_std: float = knob(1.0, gt=0)  # std of that normal
+    shift: Optional[float] = knob(None, gt=0)  # sigma = s·u/(1+(s-1)·u); null = the model's model.stream.shift
+    # true: the members of a group are re-noised with the same levels and noise (common random numbers: the part of
+    # the loss's gradient that depends only on the draw is then the same for every member, and cancels where the
+    # group's advantages sum to zero); false: every member draws its own
+    group_noise: bool = False
+
+
+@dataclass
+class StreamAWMConfig(AWMUpdateConfig):
+    """``algo=stream_awm``: streaming AWM's update (``AWMUpdateConfig``) on independent streams, with AWM's
+    batch-std advantages."""
+
+    global_std: bool = True  # stream advantages: (r - mean_prompt) / std over the whole batch, as AWM
     # stream: every block the stream's; segment: its segment's; stream+segment: the sum of the two
     advantage: str = knob("stream", choices=ADVANTAGES)
     # advantage=segment / stream+segment: a segment's reward is the mean of these segment<k>/<name> components
     segment_components: List[str] = field(default_factory=lambda: ["adherence", "direction", "speed"])
-    logit_mean: float = 0.0  # noise levels: u = sigmoid(N(logit_mean, logit_std^2)), as the pretraining draws them
-    logit_std: float = knob(1.0, gt=0)  # std of that normal
-    shift: Optional[float] = knob(None, gt=0)  # sigma = s·u/(1+(s-1)·u); null = the model's model.stream.shift
-    # true: the G streams of a group are re-noised with the same levels and noise (common random numbers: the part
-    # of the loss's gradient that depends only on the draw is the same for every member and cancels against the
-    # group's zero-mean advantages); false: every stream draws its own
-    group_noise: bool = False
 
 
 def schedule_shift(base_sigmas: torch.Tensor) -> float:

@@ -34,39 +34,30 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 
-from ...knobs import knob
-from ..awm import WEIGHTINGS, awm_objective, scaled_advantages
+from ...knobs import knob_of
+from ..awm import awm_objective, scaled_advantages
 from ..base import Batch, UpdateContext
 from ..losses import keyed_noise, renoise
-from ..stream_awm import StreamingTrustRegion, stratified_sigmas
+from ..stream_awm import AWMUpdateConfig, StreamingTrustRegion, stratified_sigmas
 from .algorithm import KVPO, BranchingConfig
 from .routing import route_fn
 
 __all__ = ["KVPOAWMConfig", "KVPOAWM"]
 
 
+# adv_clip is restated from BranchingConfig (knob_of): as a field of both parents, the dataclass would take
+# AWMUpdateConfig's, the default of every algorithm (tests/test_kvpo.py checks every field's origin)
 @dataclass
-class KVPOAWMConfig(BranchingConfig):
-    """``algo=kvpo_awm``: KVPO's branches (``BranchingConfig``, KVPO's defaults) and streaming AWM's update (its
-    defaults: ``StreamAWMConfig``)."""
+class KVPOAWMConfig(AWMUpdateConfig, BranchingConfig):
+    """``algo=kvpo_awm``: KVPO's branches (``BranchingConfig``, KVPO's defaults) and streaming AWM's update
+    (``AWMUpdateConfig``, its defaults), which scales KVPO's advantages (clipped at ``adv_clip``) to
+    ``±advantage_max``."""
 
-    cfg_in_training: bool = False  # must stay false: the teacher-forced update fits the conditional velocity
-    kl_beta: float = knob(0.001, ge=0)  # weight of mean (v_theta - v_ref)^2, the reference = LoRA disabled
-    ema_kl_beta: float = knob(1.0, ge=0)  # weight of mean (v_theta - v_ema)^2 (the trust region)
-    ema_kl_decay: float = knob(0.3, ge=0, le=0.999)  # cap of the EMA decay d = min(cap, 0.001 u)
-    weighting: str = knob("ghuber", choices=WEIGHTINGS)  # w(l, sigma) in the policy term, per block
-    ghuber_power: float = knob(0.25, gt=0)  # p of the ghuber weighting
-    advantage_max: float = knob(1.0, gt=0)  # KVPO's advantages (clipped at adv_clip) scaled to +-advantage_max
-    logit_mean: float = 0.0  # noise levels: u = sigmoid(N(logit_mean, logit_std^2)), as the pretraining draws them
-    logit_std: float = knob(1.0, gt=0)  # std of that normal
-    shift: Optional[float] = knob(None, gt=0)  # sigma = s·u/(1+(s-1)·u); null = the model's model.stream.shift
-    # true: the branches of a group are re-noised with the same levels and noise (common random numbers, as their
-    # rollout); false: every branch draws its own
-    group_noise: bool = False
+    adv_clip: float = knob_of(BranchingConfig, "adv_clip")  # fused advantages clamped to +-adv_clip
 
 
 class KVPOAWM(StreamingTrustRegion, KVPO):
