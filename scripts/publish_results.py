@@ -447,6 +447,9 @@ KVPO_PRESET_400 = "kvpo_preset_400.json"
 #: once forks with one selection were left out: the preset, with no nearest frame (algo.nearest_m=0) and with 8 routed
 #: branches a group, each on 400 held-out videos (100 sequences x 4)
 KVPO_FORKS = "kvpo_forks.json"
+#: with forks that differ, later: the objective ablation (algo=kvpo_awm) and three more seeds of 8 routed branches a
+#: group, each on 400 held-out videos
+KVPO_FORKS_MORE = "kvpo_forks_more.json"
 #: the streaming page's comparison: the independent-stream methods' runs of KVPO's 36 iterations (its wall-clock
 #: budget: one thread each, two runs at a time on the two cores, as KVPO's) beside KVPO's
 STREAM_BASELINES = [("streaming AWM, 36 iterations", "streaming AWM, 36 iterations"),
@@ -461,7 +464,7 @@ def kvpo_comparison_table() -> str:
     baselines = load(STREAM_ONE_OBJECT)["arms"]
     arms = [(label, baselines[key]) for label, key in STREAM_BASELINES] + list(load(KVPO_PAIRED)["arms"].items()) \
         + list(load(KVPO_48)["arms"].items()) + list(load(KVPO_PRESET_400)["arms"].items()) \
-        + list(load(KVPO_FORKS)["arms"].items())
+        + list(load(KVPO_FORKS)["arms"].items()) + list(load(KVPO_FORKS_MORE)["arms"].items())
     return _paired_runs_table(arms)
 
 
