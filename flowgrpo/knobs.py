@@ -33,5 +33,5 @@ def knob_of(schema: type, name: str):
     """Field ``name`` of the dataclass ``schema`` again, its default and constraints, for a schema with two parents
     that both declare it: a dataclass takes each field from the last of its bases (in reverse method resolution
     order) that has it, which may be one holding the common ancestor's default rather than the parent's override."""
-    parent = schema.__dataclass_fields__[name]
-    return field(default=parent.default, metadata=dict(parent.metadata))
+    parent = schema.__dataclass_fields__[name]  # at most one of default / default_factory is set (a list's factory)
+    return field(default=parent.default, default_factory=parent.default_factory, metadata=dict(parent.metadata))
