@@ -46,6 +46,7 @@ __all__ = [
     "EvalSamples",
     "eval_generator",
     "eval_seed_counts",
+    "gallery_jobs",
     "generate",
     "held_out_jobs",
     "score_jobs",
@@ -100,6 +101,45 @@ def held_out_jobs(
             raise ValueError(f"keeping tags {list(tags)} needs GenEval metadata; {prompts.source} has none")
         rows = tag_rows(head.metadata, list(tags), "tags", prompts.source)
     return [(i, j) for i in rows for j in range(counts[i])]
+
+
+def gallery_jobs(jobs: Sequence[Job], prompts: PromptSet, size: int,
+                 among: Sequence[int] | None = None) -> list[int]:
+    """Which of ``jobs`` the held-out gallery shows: at most ``size`` job indices, spread over the metadata tags and
+    then over the prompts, in job order. Deterministic (no random draw).
+
+    Tags take turns (in sorted order), so every tag shows once there are at least as many slots as tags; within a
+    tag its prompts take turns (held-out order), each prompt's samples in seed order, so a tag shows distinct prompts
+    before a second sample of any. Without metadata tags, the prompts take turns. ``among`` restricts the choice to
+    those job indices (the main process shows the jobs it generated).
+
+    >>> prompts = PromptSet(["a triangle", "two squares", "a red circle"],
+    ...                     [{"tag": "single"}, {"tag": "counting"}, {"tag": "colors"}], "held-out")
+    >>> jobs = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0)]
+    >>> gallery_jobs(jobs, prompts, 3)
+    [0, 3, 5]
+    >>> gallery_jobs(jobs, prompts, 5)
+    [0, 1, 3, 4, 5]
+    """
+    candidates = range(len(jobs)) if among is None else sorted(set(int(k) for k in among if 0 <= k < len(jobs)))
+    by_tag: dict[str, dict[int, list[int]]] = {}  # tag -> prompt -> its job indices, in seed order
+    for k in candidates:
+        i = jobs[k][0]
+        meta = prompts.metadata[i] if prompts.metadata is not None else None
+        tag = str(meta.get("tag")) if isinstance(meta, dict) and meta.get("tag") is not None else ""
+        by_tag.setdefault(tag, {}).setdefault(i, []).append(k)
+
+    def turns(per_prompt: dict[int, list[int]]) -> list[int]:  # first sample of every prompt, then the second, ...
+        queues = [per_prompt[i] for i in sorted(per_prompt)]
+        return [q[r] for r in range(max(map(len, queues))) for q in queues if r < len(q)]
+
+    queues = [turns(by_tag[tag]) for tag in sorted(by_tag)]
+    chosen: list[int] = []
+    for r in range(max(map(len, queues), default=0)):
+        for q in queues:
+            if r < len(q) and len(chosen) < size:
+                chosen.append(q[r])
+    return sorted(chosen)
 
 
 @torch.no_grad()

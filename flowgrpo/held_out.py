@@ -19,9 +19,15 @@ from contextlib import nullcontext
 import torch
 from omegaconf import OmegaConf
 
-from .evaluation import EvalSamples, held_out_jobs, score_jobs
+from .evaluation import EvalSamples, gallery_jobs, held_out_jobs, score_jobs
 
 __all__ = ["HeldOut"]
+
+
+def _dealt(jobs: int, rank: int, world: int) -> list[int]:
+    """The job indices process ``rank`` of ``world`` runs, round-robin; past ``jobs - 1`` they are padding (every
+    process runs as many jobs, so that a gather has equal shapes)."""
+    return list(range(rank, math.ceil(jobs / world) * world, world))
 
 
 class HeldOut:
@@ -45,18 +51,27 @@ class HeldOut:
         if self.test_set is None:
             return {}
         jobs = self.eval_jobs()
-        first = []
+        # the gallery (main process) shows some of the jobs this process generates, spread over tags and prompts
+        mine = [k for k in _dealt(len(jobs), self.rank, self.world) if k < len(jobs)]
+        shown = (set(gallery_jobs(jobs, self.test_set, self.gallery.max_rows, among=mine)) if self.gallery is not None
+                 else set())
+        kept = {}
 
-        def keep_first(start, prompts, images, out):  # the gallery shows the main process's first batch
-            if start == 0:
-                first.append((prompts, images, out))
+        def keep_shown(start, prompts, images, out):  # reads the batch; the scores are computed as without it
+            for p in range(start, start + len(prompts)):
+                if p < len(mine) and mine[p] in shown:
+                    r = p - start
+                    kept[mine[p]] = (prompts[r], images[r].detach().cpu(), out.scores[r].detach().cpu(),
+                                     {k: v[r].detach().cpu() for k, v in out.components.items()})
 
         # inside the loop a stop request abandons the evaluation between its batches (Trainer._Abandon)
-        result = self.held_out_samples(jobs, on_batch=keep_first,
+        result = self.held_out_samples(jobs, on_batch=keep_shown if shown else None,
                                        between_batches=lambda: self._check_stop("evaluation")).scalars(tag)
-        if self.gallery is not None and first:
-            prompts, images, out = first[0]
-            self._gallery_log(self.iteration, prompts, images, rewards=out.scores, components=out.components, tag=tag)
+        if self.gallery is not None and kept:
+            rows = [kept[k] for k in sorted(kept)]
+            self._gallery_log(self.iteration, [r[0] for r in rows], torch.stack([r[1] for r in rows]),
+                              rewards=torch.stack([r[2] for r in rows]),
+                              components={k: torch.stack([r[3][k] for r in rows]) for k in rows[0][3]}, tag=tag)
         return result
 
     def eval_jobs(self) -> list:
@@ -91,8 +106,7 @@ class HeldOut:
         t = self.cfg.trainer
         # every process runs the same number of jobs (a gather needs equal shapes): padding repeats the last job and
         # is dropped after the gather
-        per_proc = math.ceil(len(jobs) / self.world)
-        mine = list(range(self.rank, per_proc * self.world, self.world))
+        mine = _dealt(len(jobs), self.rank, self.world)
         with self.ema.swapped_in() if self.ema is not None else nullcontext():
             local = score_jobs(self.adapter, self.reward, self.test_set, [jobs[min(k, len(jobs) - 1)] for k in mine],
                                seed=t.eval_seed, sigmas=self.sampler.eval_sigmas, model_kw=self.model_kw,

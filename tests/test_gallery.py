@@ -371,3 +371,54 @@ def test_a_marked_window_is_shown_and_barred_under_exactly_its_frames(tmp_path):
     assert (grid == (230, 110, 0)).all(axis=2).sum() == (marked == (230, 110, 0)).all(axis=2).sum()
     with pytest.raises(ValueError, match=r"marks must be \[2, 2\]"):
         Gallery(tmp_path).log(4, ["a", "b"], media, rewards=torch.tensor([0.5, 0.25]), marks=marks[:1])
+
+
+def test_gallery_jobs_spread_over_tags_then_prompts():
+    """A tag-ordered held-out set whose first prompt has many seeds: the gallery still shows every tag, distinct
+    prompts within a tag before a second seed of any, the same choice every time."""
+    from flowgrpo.build import PromptSet
+    from flowgrpo.evaluation import gallery_jobs
+
+    tags = ["single_object"] + ["two_object"] * 3 + ["counting"] * 2 + ["colors"]
+    prompts = PromptSet([f"prompt {i}" for i in range(len(tags))], [{"tag": t} for t in tags], "held-out")
+    jobs = [(0, j) for j in range(16)] + [(i, j) for i in range(1, len(tags)) for j in range(2)]
+    first = gallery_jobs(jobs, prompts, 16)
+    assert first == gallery_jobs(jobs, prompts, 16) and len(first) == 16 == len(set(first))
+    assert {tags[jobs[k][0]] for k in gallery_jobs(jobs, prompts, 4)} == set(tags)  # as many slots as tags
+    shown = [jobs[k] for k in first]
+    assert {i for i, _ in shown} == set(range(len(tags)))  # every prompt once there is room
+    assert sum(i == 0 for i, _ in shown) < 16  # no longer the first prompt 16 times
+    assert first == sorted(first)  # in job order: grouped as the held-out file is
+    assert gallery_jobs(jobs, prompts, 5, among=[0, 2, 16, 17, 27, 99]) == [0, 2, 16, 17, 27]
+    assert gallery_jobs(jobs, prompts, 2, among=[0, 2, 16, 27]) == [0, 27]  # colors and single_object, by name
+    plain = PromptSet(["a", "b", "c"], None, "text")
+    assert gallery_jobs([(0, 0), (0, 1), (1, 0), (2, 0)], plain, 3) == [0, 2, 3]  # no tags: prompts take turns
+
+
+def test_the_held_out_gallery_shows_every_tag_and_leaves_the_scores_alone(tmp_path):
+    """The evaluation gallery of a tag-ordered held-out set covers every tag; the evaluated numbers are those of
+    the same jobs scored without a gallery."""
+    from hydra import compose, initialize_config_dir
+
+    import flowgrpo.config  # noqa: F401  (registers the schemas)
+    from flowgrpo.trainer import Trainer
+
+    conf = str(Path(__file__).resolve().parents[1] / "conf")
+    overrides = [
+        "model=tiny_sd3", "reward=jpeg_compressibility", "data=geneval_shapes", "logger=none", "algo=grpo",
+        "sampler=sde", "sampler.num_steps=3", "sampler.eval_num_steps=2",
+        "trainer.prompts_per_iteration=2", "trainer.group_size=2", "trainer.train_batch_size=4",
+        "trainer.gradient_accumulation_steps=1", "trainer.eval_num_prompts=12", "trainer.eval_samples_per_prompt=1",
+        "trainer.eval_samples_per_tag=4", "trainer.gallery_size=8", f"trainer.output_dir={tmp_path}",
+    ]
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    trainer = Trainer(cfg, tmp_path)
+    result = trainer.evaluate()
+    jobs = trainer.eval_jobs()
+    assert len(jobs) > 8 and jobs[:4] == [(0, 0), (0, 1), (0, 2), (0, 3)]  # the first prompt 4 times
+    assert result == trainer.held_out_samples(jobs).scalars("eval")
+    rows = read_gallery(tmp_path / "gallery" / "eval" / "step-000000.parquet")
+    tags = {m["tag"]: None for m in trainer.test_set.subset([i for i, _ in jobs]).metadata}
+    by_prompt = {p: m["tag"] for p, m in zip(trainer.test_set.prompts, trainer.test_set.metadata)}
+    assert len(rows) == 8 and {by_prompt[r["prompt"]] for r in rows} == set(tags)
