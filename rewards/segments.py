@@ -86,6 +86,8 @@ class SegmentReward:
 
     def __call__(self, videos, prompts: Sequence[str] | None = None,
                  metadata: Sequence[Mapping] | None = None) -> RewardOutput:
+        if isinstance(videos, (list, tuple)) and not videos or isinstance(videos, torch.Tensor) and len(videos) == 0:
+            return RewardOutput(torch.zeros(0), {"score": torch.zeros(0)})  # an empty batch: no segments to score
         if not isinstance(videos, torch.Tensor) or videos.ndim != 5:
             raise ValueError("segments: videos must be a [B, T, 3, H, W] tensor")
         if metadata is None or len(metadata) != videos.shape[0]:

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from ._loading import check_tokenizer, from_pretrained, resolve_device, resolve_dtype
 from .base import RewardOutput, register
-from .images import check_finite, degenerate
+from .images import check_pixels, degenerate
 
 __all__ = ["to_video", "VideoClipScore", "VideoConsistency", "VideoFlicker", "VideoMotion", "VideoSharpness"]
 
@@ -66,24 +66,24 @@ def to_video(videos, reward: str | None = None) -> torch.Tensor:
 
     Accepts float ``[B, T, 3, H, W]`` in [0, 1], uint8 ``[B, T, 3, H, W]``, numpy ``[B, T, H, W, 3]``, or a list
     of clips, each a list of PIL images or a ``[T, 3, H, W]`` / ``[T, H, W, 3]`` array. Float clips holding NaN or
-    inf raise ``ValueError`` naming ``reward`` and the clips (:func:`rewards.images.check_finite`).
+    inf, or values outside [0, 1], raise ``ValueError`` naming ``reward`` and the clips
+    (:func:`rewards.images.check_pixels`: [-1, 1] → pass ``(x + 1) / 2``, [0, 255] → ``x / 255``).
     """
     if isinstance(videos, (list, tuple)):
         from PIL import Image
 
-        clips, bad = [], []
-        for i, clip in enumerate(videos):
+        tensors = []
+        for clip in videos:
             if isinstance(clip, Image.Image):
                 raise ValueError("video reward: got a list of images; video rewards score clips [B, T, 3, H, W] "
                                  "(or a list of clips, each a list of frames)")
             if isinstance(clip, (list, tuple)):
                 clip = np.stack([np.asarray(f.convert("RGB")) if isinstance(f, Image.Image) else np.asarray(f) for f in clip])
-            clip = torch.as_tensor(clip)
-            if clip.is_floating_point() and not bool(torch.isfinite(clip).all()):
-                bad.append(i)
-                continue
-            clips.append(to_video(clip[None])[0])
-        check_finite(bad, reward, "clips")
+            tensors.append(torch.as_tensor(clip))
+        check_pixels(tensors, reward, "clips")
+        clips = [to_video(clip[None], reward)[0] for clip in tensors]
+        if not clips:  # an empty batch: its size is unknown, and every reward answers it before reading a size
+            return torch.zeros((0, 0, 3, 0, 0), dtype=torch.uint8)
         shapes = {tuple(c.shape) for c in clips}
         if len(shapes) != 1:
             raise ValueError(f"video reward: clips of a batch must share [T, 3, H, W], got {sorted(shapes)}")
@@ -104,8 +104,13 @@ def to_video(videos, reward: str | None = None) -> torch.Tensor:
         return x.contiguous()
     if not x.is_floating_point():
         raise ValueError(f"video reward: expected float frames in [0, 1] or uint8, got {x.dtype}")
-    check_finite((~torch.isfinite(x)).flatten(1).any(1).nonzero().flatten().tolist(), reward, "clips")
+    check_pixels(x, reward, "clips")
     return (x.float().clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def _empty(*components: str) -> RewardOutput:
+    """The answer to an empty batch: no scores, every component empty."""
+    return RewardOutput(torch.zeros(0), {name: torch.zeros(0) for name in components})
 
 
 def _content(video: torch.Tensor) -> torch.Tensor:
@@ -193,6 +198,8 @@ class VideoClipScore:
         B, T = video.shape[:2]
         if len(prompts) != B:
             raise ValueError(f"video_clip: {B} clips but {len(prompts)} prompts")
+        if B == 0:
+            return _empty("clip_frame_mean", "clip_frame_min")
         clip = self.load()._clip
         frames = clip.image_features(video.flatten(0, 1), self.batch_size).view(B, T, -1)
         text = clip.text_features(prompts)
@@ -273,6 +280,8 @@ class VideoConsistency:
 
     def __call__(self, images, prompts=None, metadata=None) -> RewardOutput:
         video = to_video(images, reward="video_consistency")
+        if len(video) == 0:
+            return _empty("consistency", "consistency_prev", "consistency_first")
         content = _content(video)  # on every frame, not only the selected ones
         video = _select_frames(video, self.num_frames)
         B, T = video.shape[:2]
@@ -296,6 +305,8 @@ class VideoFlicker:
 
     def __call__(self, images, prompts=None, metadata=None) -> RewardOutput:
         video = to_video(images, reward="video_flicker")
+        if len(video) == 0:
+            return _empty("flicker", "flicker_mad")
         if video.shape[1] < 2:
             raise ValueError(f"video_flicker: clips need at least 2 frames, got {video.shape[1]}")
         x = video.to(torch.int16)
@@ -344,6 +355,8 @@ class VideoMotion:
 
     def __call__(self, images, prompts=None, metadata=None) -> RewardOutput:
         video = to_video(images, reward="video_motion")
+        if len(video) == 0:
+            return _empty("motion") if self.method == "frame_diff" else _empty("motion", "motion_px", "motion_top5_px")
         content = _content(video)  # on every frame, not only the selected ones
         video = _select_frames(video, self.num_frames)
         B, T = video.shape[:2]
@@ -399,6 +412,8 @@ class VideoSharpness:
 
     def __call__(self, images, prompts=None, metadata=None) -> RewardOutput:
         video = to_video(images, reward="video_sharpness")
+        if len(video) == 0:
+            return _empty("sharpness", "sharpness_min")
         grey = _grey(video)  # [B, T, H, W], 0..255
         if min(grey.shape[-2:]) < 2:
             raise ValueError(f"video_sharpness: frames need at least 2x2 pixels, got {tuple(grey.shape[-2:])}")

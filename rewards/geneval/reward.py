@@ -158,7 +158,7 @@ class GenEval:
         components = {"partial": partial, "strict": strict, "exact": exact}
         tags = [m["tag"] for m in metadata]
         for tag in TAGS:
-            mine = torch.tensor([t == tag for t in tags])
+            mine = torch.tensor([t == tag for t in tags], dtype=torch.bool)  # bool for an empty batch too
             components[f"strict/{tag}"] = torch.where(mine, strict, torch.full_like(strict, math.nan))
             components[f"partial/{tag}"] = torch.where(mine, partial, torch.full_like(partial, math.nan))
         return RewardOutput(scores=components[self.score].clone(), components=components)

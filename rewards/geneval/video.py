@@ -526,7 +526,7 @@ class VideoGenEval:
         components = {"strict": strict, "partial": partial}
         tags = [m["tag"] for m in metadata]
         for tag in VIDEO_TAGS:
-            mine = torch.tensor([t == tag for t in tags])
+            mine = torch.tensor([t == tag for t in tags], dtype=torch.bool)  # bool for an empty batch too
             components[f"strict/{tag}"] = torch.where(mine, strict, torch.full_like(strict, math.nan))
             components[f"partial/{tag}"] = torch.where(mine, partial, torch.full_like(partial, math.nan))
         for name in CHECKS:
