@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from .gallery import labelled_grid, to_uint8
+from .jsonio import dumps
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "assets" / "tiny-causal-wan-shapes"
@@ -188,7 +189,7 @@ def main(argv=None) -> dict:
         summary["scored_by"] = judge.describe()
         summary["rewards"] = {k: round(float(v[0]), 4) for k, v in result.components.items()}
         summary["reward"] = round(float(result.scores[0]), 4)
-    print(json.dumps(summary, indent=2))
+    print(dumps(summary, indent=2))  # strict JSON: a NaN reward component is null
     return summary
 
 

@@ -506,15 +506,17 @@ class Trainer(RunState, HeldOut, Guards):
     def _append_metrics(self, row: dict | None) -> None:
         """Append ``row`` to metrics.jsonl; ``None``, or after a failed write, rewrite it whole from the history and
         evaluations. A filesystem error (disk full, ...) is a warning: the rows stay in memory and in checkpoints,
-        and the next write that succeeds rewrites the file."""
+        and the next write that succeeds rewrites the file. Strict JSON: NaN / inf values are written as null."""
+        from .jsonio import dumps
+
         path = getattr(self, "_metrics_path", None)
         if path is not None and self.acc.is_main_process:
             try:
                 if row is None or self._metrics_stale:
-                    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in self.history + self.evals))
+                    atomic_write_text(path, "".join(dumps(r) + "\n" for r in self.history + self.evals))
                 else:
                     with open(path, "a") as f:
-                        f.write(json.dumps(row) + "\n")
+                        f.write(dumps(row) + "\n")
                 self._metrics_stale = False
             except OSError as err:
                 self._metrics_stale = True

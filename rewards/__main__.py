@@ -1,5 +1,7 @@
 """``python -m rewards <command>``: score images (or moving-shapes clips) with a reward, standalone.
 
+Every command prints (or writes) strict JSON: NaN and inf are written as ``null``.
+
 Commands (argparse subparsers):
 
 ``python -m rewards list``
@@ -32,7 +34,7 @@ Commands (argparse subparsers):
     ``geneval`` command (a leading number in every file name is the 0-based line; otherwise sorted files
     pair with lines in order). The summary's ``stats`` has ``n``/``mean``/``std``/``min``/``max`` of the score
     and of every component over the images (NaN entries, e.g. a per-tag component on other tags' images,
-    left out); NaN is written as null.
+    left out).
     Images only: video rewards take ``[B, T, 3, H, W]`` clips in code (``video_geneval`` has its own command).
 
 ``python -m rewards video_geneval --videos DIR --metadata FILE [--out FILE]``
@@ -64,6 +66,8 @@ import json
 import re
 import sys
 from pathlib import Path
+
+from ._json import dumps
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 VIDEO_SUFFIXES = {".mp4", ".gif", ".webm", ".avi", ".mov"}
@@ -109,11 +113,11 @@ def _pair_images(images_dir: Path, metadata_file: Path | None) -> list[tuple[Pat
 
 
 def _emit(result: dict, out: str | None) -> int:
-    """Print the result as JSON, or write it to ``out`` and print only its summary."""
-    text = json.dumps(result, indent=1)
+    """Print the result as JSON, or write it to ``out`` and print only its summary (NaN / inf as null: strict JSON)."""
+    text = dumps(result, indent=1)
     if out:
         Path(out).write_text(text + "\n")
-        print(json.dumps(result["summary"], indent=1))
+        print(dumps(result["summary"], indent=1))
     else:
         print(text)
     return 0
@@ -178,14 +182,7 @@ def _cmd_geneval(args: argparse.Namespace) -> int:
                     "detections": {cls: [d.to_json() for d in dets] for cls, dets in v.detections.items()},
                 }
             )
-    result = {"summary": summarise(records), "images": records}
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-        print(json.dumps(result["summary"], indent=1))
-    else:
-        print(text)
-    return 0
+    return _emit({"summary": summarise(records), "images": records}, args.out)
 
 
 def summarise(records: list[dict]) -> dict:
@@ -297,6 +294,8 @@ def read_clip(path: Path):
     import numpy as np
     from PIL import Image
 
+    from .images import check_pixels
+
     path = Path(path)
     if path.is_dir():
         frames = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
@@ -310,6 +309,7 @@ def read_clip(path: Path):
         if clip.dtype != np.uint8:
             if not np.issubdtype(clip.dtype, np.floating):
                 raise ValueError(f"{path}: expected uint8 or float frames in [0, 1], got {clip.dtype}")
+            check_pixels([clip], reward=str(path), what="clip")  # NaN, or a range other than [0, 1]: refused
             clip = np.rint(np.clip(clip, 0.0, 1.0) * 255).astype(np.uint8)
     elif path.suffix.lower() == ".gif":
         with Image.open(path) as im:

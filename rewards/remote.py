@@ -45,6 +45,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from ._json import dumps
 from .base import RewardOutput, register
 from .images import to_uint8_images
 
@@ -72,10 +73,10 @@ def encode_media(images, fmt: str = "png") -> dict:
     if isinstance(images, torch.Tensor) and images.ndim == 5:
         from .video import to_video
 
-        arrays = to_video(images).permute(0, 1, 3, 4, 2).numpy()  # [B, T, H, W, 3] uint8
+        arrays = to_video(images, reward="remote").permute(0, 1, 3, 4, 2).numpy()  # [B, T, H, W, 3] uint8
         kind = "videos"
     else:
-        arrays = to_uint8_images(images)
+        arrays = to_uint8_images(images, reward="remote")
         kind = "images"
     if fmt == "npz":
         if kind == "images" and len({a.shape for a in arrays}) > 1:
@@ -133,7 +134,7 @@ class RemoteReward:
     # ------------------------------------------------------------------------------------------ transport
 
     def _post(self, payload: dict) -> dict:
-        body = json.dumps(payload).encode("utf-8")
+        body = dumps(payload).encode("utf-8")  # strict JSON: a NaN in the metadata goes as null
         first_failure = None
         attempt = 0
         while True:
