@@ -21,7 +21,6 @@ global index)`` (:mod:`flowgrpo.seeding`), never from a process-local stream, so
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import warnings
@@ -43,6 +42,7 @@ from .finetune import EMA, frozen_reference, prepare_trainable
 from .gallery import Gallery
 from .guards import Guards, NonFiniteError, degenerate_flags
 from .held_out import HeldOut
+from .jsonio import dumps  # metrics.jsonl: strict JSON (NaN / inf as null)
 from .rollout import SamplingModel
 from .run_state import RunState
 from .runlog import log, run_log
@@ -507,8 +507,6 @@ class Trainer(RunState, HeldOut, Guards):
         """Append ``row`` to metrics.jsonl; ``None``, or after a failed write, rewrite it whole from the history and
         evaluations. A filesystem error (disk full, ...) is a warning: the rows stay in memory and in checkpoints,
         and the next write that succeeds rewrites the file. Strict JSON: NaN / inf values are written as null."""
-        from .jsonio import dumps
-
         path = getattr(self, "_metrics_path", None)
         if path is not None and self.acc.is_main_process:
             try:
