@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from . import jsonio
+from .jsonio import dumps
 from .checkpoint import atomic_write_text
 from .config import steps_line, validate
 from .runlog import (LOG_NAME, close_file_logs, code_version, discard_hydra_dir, discard_run_dir, holds_nothing, log,
@@ -162,7 +162,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
                 summary["code"] = code
                 path = out / "summary.json"
                 try:
-                    atomic_write_text(path, jsonio.dumps(summary, indent=2, default=str))  # NaN / inf: null
+                    atomic_write_text(path, dumps(summary, indent=2, default=str))  # NaN / inf: null
                 except OSError as err:
                     raise OSError(err.errno, f"could not write {path}: {err.strerror or err}") from err
                 log.info(f"summary: {path}")

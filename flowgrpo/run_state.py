@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from . import jsonio
+from .jsonio import dumps
 from .checkpoint import (CheckpointManager, atomic_write_text, capture_rng_state, find_runs, restore_rng_state,
                          resume_config_changes, save_lora_weights, save_transformer_weights)
 from .finetune import (gathers_state, load_optimizer_state, load_trainable_state, optimizer_state, torch_optimizer,
@@ -319,7 +319,7 @@ class RunState:
                    "resume_from": str(resume_from) if resume_from else None, "note": note,
                    "eval_first": evals[0] if evals else {}, "eval_last": evals[-1] if evals else {}}
         try:
-            atomic_write_text(self.out / "summary.json", jsonio.dumps(summary, indent=2, default=str) + "\n")
+            atomic_write_text(self.out / "summary.json", dumps(summary, indent=2, default=str) + "\n")
         except OSError as write_err:
             line += f"\n(could not write {self.out / 'summary.json'}: {write_err.strerror or write_err})"
         log.error(line)
