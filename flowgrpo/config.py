@@ -195,10 +195,14 @@ class AggregateConfig:
 
 @dataclass
 class RewardConfig:
-    """``rewards.load(name, **kwargs)`` (``conf/reward/``); kwargs are the reward's own constructor arguments."""
+    """``rewards.load(name, **kwargs)`` (``conf/reward/``); kwargs are the reward's own constructor arguments. Your own
+    reward: ``reward=custom reward.target=package.module:name`` (``rewards.custom``)."""
 
-    name: str = MISSING  # registry name, see rewards.available()
-    kwargs: Dict[str, Any] = field(default_factory=dict)  # passed to the reward constructor
+    name: str = MISSING  # registry name, see rewards.available(); custom: the reward reward.target names
+    # reward=custom: your reward's import path, package.module:name (a function fn(images, prompts, metadata), or a
+    # class built with reward.kwargs); null for the registered rewards
+    target: Optional[str] = None
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # passed to the reward constructor (custom: yours)
     aggregate: AggregateConfig = field(default_factory=AggregateConfig)  # multi-component advantages
 
 
@@ -575,7 +579,7 @@ def _weighs_components(reward: DictConfig) -> bool:
     """Whether a reward's scalar is a weighted sum of components that an aggregator can take apart
     (``reward.weights``): a multi-reward's sub-rewards, or the long-video reward's aspects when its score is their
     weighted mean."""
-    if reward.name == "multi":
+    if reward.name in ("multi", "custom"):  # custom: the built reward says (its weights), checked when it is built
         return True
     return reward.name == "long_video" and reward.kwargs.get("score", "mean") == "mean"
 
@@ -590,6 +594,12 @@ def _cross_checks(cfg: DictConfig, errors: list[str]) -> None:
         if message:
             errors.append(message)
     r = cfg.get("reward")
+    if r is not None and not OmegaConf.is_missing(r, "name") and r.name == "custom" and not r.get("target"):
+        errors.append("reward=custom trains your own reward: set reward.target=package.module:name (a function "
+                      "fn(images, prompts, metadata) or a reward class of your module)")
+    elif r is not None and not OmegaConf.is_missing(r, "name") and r.name != "custom" and r.get("target") is not None:
+        errors.append(f"reward.target={r.target!r} names your own reward, but reward={r.name!r} is a registered one: "
+                      "use reward=custom with it, or set reward.target=null")
     if r is not None and not OmegaConf.is_missing(r, "name") and r.aggregate.name != "sum" \
             and not _weighs_components(r):
         errors.append(f"reward.aggregate.name={r.aggregate.name!r} combines the weighted components of a reward, but "

@@ -22,3 +22,6 @@ __all__ += ["LongVideoReward"]
 from .segments import SegmentReward  # registers "segments": any clip reward per segment of a stream
 
 __all__ += ["SegmentReward"]
+from .custom import RewardFunction, from_target, wrap  # registers "custom": your own reward, by import path
+
+__all__ += ["RewardFunction", "from_target", "wrap"]

@@ -1,7 +1,10 @@
 """The reward contract shared by every reward model.
 
 A reward is a callable ``reward(images, prompts, metadata=None) -> RewardOutput``. ``images`` is a float
-tensor ``[B, 3, H, W]`` in [0, 1], a uint8 tensor, or a list of PIL images; videos are ``[B, T, 3, H, W]``.
+tensor ``[B, 3, H, W]`` in [0, 1], a uint8 tensor, or a list of PIL images; videos are ``[B, T, 3, H, W]``. Your own
+function ``fn(images, prompts, metadata) -> list[float] | Tensor | RewardOutput`` becomes one with
+:func:`rewards.wrap`, or by import path with ``rewards.load("custom", target="my_rewards:redness")``
+(:mod:`rewards.custom`).
 
 A reward class may declare what it scores as a class attribute ``modality = "video" | "image" | "any"``; a
 trainer refuses a video reward with an image model (and the reverse) before loading weights
@@ -14,6 +17,11 @@ the trainer's log names it and keys held-out evaluations by it (``Trainer.held_o
 write it next to their numbers (``scored_by``), so a result says which rules scored it.
 
 Bad samples, the same way in every reward:
+
+- **Float pixels outside [0, 1] raise** ``ValueError`` naming the reward, the batch indices and the likely cause:
+  values in [-1, 1] (a VAE's raw output: pass ``(x + 1) / 2``) or up to 255 (pass ``x / 255``). Clamped, they would
+  be scored as another picture. 1e-3 of slack is left for rounding (:func:`rewards.images.check_pixels`).
+- **An empty batch** gets an empty result (``scores`` of shape ``[0]``).
 
 - **NaN / inf pixels raise** ``ValueError`` naming the reward and the batch indices (a diverged model decodes to
   NaN; cast to uint8 it would read as a black image and be scored). No reward returns NaN or a made-up score for

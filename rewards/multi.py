@@ -9,8 +9,11 @@
 >>> r.weights
 {'jpeg_compressibility': 1.0, 'jpeg_incompressibility': 0.5}
 
-Each sub-reward's score becomes the component ``<prefix>`` and each of its components ``<prefix>/<component>``;
-``prefix`` defaults to the reward's name (give ``prefix`` to use one reward twice with different kwargs).
+A component is a registered reward (``"name"``), your own by import path (``"target": "my_rewards:redness"``, built
+as ``reward=custom`` builds it: :func:`rewards.custom.from_target`) or, from Python, a callable (``"reward": fn``,
+wrapped by :func:`rewards.wrap`). Each sub-reward's score becomes the component ``<prefix>`` and each of its
+components ``<prefix>/<component>``; ``prefix`` defaults to the reward's name (a target's or callable's last name,
+``redness``; give ``prefix`` to use one reward twice with different kwargs).
 :attr:`MultiReward.weights` maps those prefixes to weights, ready for the aggregators of :mod:`rewards.aggregate`
 (:func:`~rewards.aggregate.per_reward_group_advantages`, :class:`~rewards.aggregate.TaRoS`), which work on the
 per-reward components rather than on the weighted sum.
@@ -21,10 +24,12 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from .base import RewardOutput, load, register
+from .custom import from_target, short_name
 
 __all__ = ["MultiReward"]
 
-_SPEC_KEYS = {"name", "weight", "kwargs", "prefix"}
+_SPEC_KEYS = {"name", "target", "reward", "weight", "kwargs", "prefix"}
+_SOURCES = ("name", "target", "reward")  # exactly one of them says which reward a component is
 
 
 class MultiReward:
@@ -33,7 +38,8 @@ class MultiReward:
 
     Args:
         components: list of ``{"name": reward name, "weight": w (default 1.0), "kwargs": {...} (default {}),
-            "prefix": component prefix (default: name)}``. A weight of 0 scores and logs a reward without
+            "prefix": component prefix (default: name)}``; instead of ``"name"``, ``"target"``: an import path
+            (``"my_rewards:redness"``) or ``"reward"``: a callable. A weight of 0 scores and logs a reward without
             training on it.
     """
 
@@ -43,13 +49,15 @@ class MultiReward:
         self.rewards: dict[str, object] = {}
         self.weights: dict[str, float] = {}
         for i, spec in enumerate(components):
-            if not isinstance(spec, Mapping) or "name" not in spec:
-                raise ValueError(f"multi reward: components[{i}] must be a mapping with a 'name', got {spec!r}")
+            sources = [k for k in _SOURCES if isinstance(spec, Mapping) and spec.get(k) is not None]
+            if len(sources) != 1:
+                raise ValueError(f"multi reward: components[{i}] must be a mapping with one of 'name' (a registered "
+                                 f"reward), 'target' (an import path) or 'reward' (a callable), got {spec!r}")
             unknown = sorted(set(spec) - _SPEC_KEYS)
             if unknown:
                 raise ValueError(f"multi reward: components[{i}] has unknown keys {unknown}; allowed: {sorted(_SPEC_KEYS)}")
-            name = str(spec["name"])
-            if name == "multi":
+            name = str(spec["name"]) if sources == ["name"] else short_name(spec[sources[0]])
+            if sources == ["name"] and name == "multi":
                 raise ValueError(f"multi reward: components[{i}] is itself 'multi'; list its parts instead")
             prefix = str(spec.get("prefix") or name)
             if prefix in self.rewards:
@@ -57,10 +65,16 @@ class MultiReward:
             weight = float(spec.get("weight", 1.0))
             if not weight >= 0:
                 raise ValueError(f"multi reward: components[{i}] ({prefix}) has weight {weight}; weights must be >= 0")
-            try:
-                self.rewards[prefix] = load(name, **dict(spec.get("kwargs") or {}))
-            except TypeError as err:
-                raise TypeError(f"multi reward: components[{i}] ({name}) rejected its kwargs: {err}") from err
+            kwargs = dict(spec.get("kwargs") or {})
+            if sources != ["name"]:  # your own: its errors name the component
+                where = f"components[{i}]"
+                self.rewards[prefix] = from_target(spec[sources[0]], kwargs, key=f"{where}.{sources[0]}",
+                                                   kwargs_key=f"{where}.kwargs")
+            else:
+                try:
+                    self.rewards[prefix] = load(name, **kwargs)
+                except TypeError as err:
+                    raise TypeError(f"multi reward: components[{i}] ({name}) rejected its kwargs: {err}") from err
             self.weights[prefix] = weight
         if not sum(self.weights.values()) > 0:
             raise ValueError(f"multi reward: weights {self.weights} sum to 0; give at least one positive weight")
