@@ -241,14 +241,16 @@ class DataConfig:
 
 @dataclass
 class LoggerConfig:
-    """Scalar logging backend (``conf/logger/``); galleries are also written to the run dir regardless."""
+    """Where scalars and galleries go besides the run dir (``conf/logger/``), through accelerate's trackers; the run
+    dir always gets ``metrics.jsonl``, the galleries and their HTML index."""
 
-    name: str = _knob(MISSING, choices=("wandb", "none"))  # backend
-    project: str = "flowgrpo"  # W&B project
+    name: str = _knob(MISSING, choices=("none", "wandb", "tensorboard", "mlflow", "aim"))  # backend
+    project: str = "flowgrpo"  # W&B project; MLflow and Aim experiment
     entity: Optional[str] = None  # W&B team; null = your default
     run_name: Optional[str] = None  # null = the run dir's name
-    tags: List[str] = field(default_factory=list)  # W&B tags
+    tags: List[str] = field(default_factory=list)  # run tags (W&B, MLflow, Aim)
     mode: str = _knob("online", choices=("online", "offline", "disabled"))  # W&B mode (env WANDB_MODE wins)
+    fps: int = _knob(8, ge=1)  # frame rate of gallery videos (files and trackers)
 
 
 # ------------------------------------------------------------------------------------------- trainer

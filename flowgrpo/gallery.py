@@ -1,6 +1,6 @@
 """Sample galleries: what the policy generates, next to what the reward said.
 
->>> gallery = Gallery(run_dir, wandb_run=logger.run)          # logger.run is None with logger=none  # doctest: +SKIP
+>>> gallery = Gallery(run_dir, logger=logger)                  # a RunLogger (any backend), or None    # doctest: +SKIP
 >>> gallery.log(step, prompts, images, rewards=out.scores, components=out.components,
 ...             advantages=adv, group_size=G)                                                      # doctest: +SKIP
 >>> rows = read_gallery(run_dir / "gallery" / "train")         # in a notebook                     # doctest: +SKIP
@@ -32,12 +32,18 @@ Each call writes, always (so a run with ``logger=none`` can still be looked at):
   video's frames (KVPO: the routed ones) with an orange bar under every shown frame inside it, the window's first,
   middle and last frame always among those shown.
 
-and, with a W&B run, a ``wandb.Table(step, prompt, image|video, *components, reward, advantage)`` under
-``{tag}/gallery`` at ``step`` (log it no later than the scalars of that step: W&B drops steps that go back).
-Images (PIL, from the stored uint8 pixels, not upscaled nor labelled) go in as JPEGs; videos as mp4 files written
-with ``diffusers.utils.export_to_video`` into ``step-{step:06d}-mp4/`` (needs ``imageio`` and ``imageio-ffmpeg``;
-without them the frame strip is logged as an image, with one warning). A NaN reward component (a tag it does not
-apply to) is an empty cell.
+- ``out_dir/gallery/{tag}/step-{step:06d}/NNN.{png,jpg,mp4}``, every sample's own file, the one the HTML index and
+  the trackers show: images as PNG (JPEG, quality 95, from a short side of 256 pixels up), of the stored pixels, not
+  upscaled nor labelled; videos as MP4 written with ``diffusers.utils.export_to_video`` at ``fps`` (needs ``imageio``
+  and ``imageio-ffmpeg``; without them an animated GIF, with one warning).
+- ``out_dir/gallery/index.html`` (:func:`write_index`), rewritten after every gallery: every gallery of the run
+  directory, per tag and step, each sample's media with its prompt, reward, advantage and reward components, and
+  links to the grids and parquet files; its links are relative, so it opens from a copy of the run directory.
+
+and then hands the gallery (a :class:`GalleryPage`) to the run's logger, if any: ``RunLogger.log_gallery`` logs it as
+its backend shows galleries (W&B: a table and a captioned media panel; TensorBoard: the grid, a caption table and GIF
+clips; see :mod:`flowgrpo.build.logger`), at ``step`` (log it no later than the scalars of that step: W&B drops steps
+that go back). A NaN reward component (a tag it does not apply to) is an empty cell.
 
 Media arrive as float in [0, 1] (uint8 accepted) and are stored as ``round(x · 255)`` uint8, the rounding of
 ``diffusers``' ``numpy_to_pil``. Call on the main process only.
@@ -45,12 +51,15 @@ Media arrive as float in [0, 1] (uint8 accepted) and are stored as ``round(x · 
 
 from __future__ import annotations
 
+import html
 import io
 import math
 import os
 import uuid
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import numpy as np
 import pyarrow as pa
@@ -58,7 +67,7 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["Gallery", "labelled_grid", "read_gallery", "to_uint8"]
+__all__ = ["Gallery", "GalleryPage", "labelled_grid", "read_gallery", "to_uint8", "write_index"]
 
 _GRID_COLS = 8  # images per grid row
 _GRID_FRAMES = 8  # frames per video row of the grid
@@ -70,6 +79,7 @@ _MARGIN = 3  # white pixels around a label's text
 _FRAME_RGB = (128, 128, 128)  # gaps, frames and separators
 _MARK_RGB = (230, 110, 0)  # the bar under marked frames (a window of the clip the label explains)
 _MARK_H = 4  # its height in pixels
+_JPEG_FROM = 256  # a sample's own file is a JPEG from this short side up (a PNG below)
 _FIXED = ("step", "prompt", "image_png", "num_frames", "reward", "advantage", "image", "video", "pil")
 _FONT = None
 
@@ -294,22 +304,76 @@ def _rows(batch: int, max_rows: int, group_size: int | None) -> torch.Tensor:
     return torch.tensor([g * group_size + j for g in range(groups) for j in range(k)], dtype=torch.long)
 
 
+@dataclass
+class GalleryPage:
+    """One gallery as a logger backend receives it (:meth:`flowgrpo.build.RunLogger.log_gallery`); its files are
+    written.
+
+    Attributes:
+        tag, step: as given to :meth:`Gallery.log`.
+        captions: per sample: the prompt, then ``reward 0.734  adv +1.234`` (advantage when given), on two lines.
+        media: per sample its file: an image (``.png``; ``.jpg`` from a short side of 256 up) or a video (``.mp4``;
+            ``.gif`` without ffmpeg), under ``gallery/{tag}/step-NNNNNN/``.
+        is_video: videos or images.
+        grid: the labelled grid PNG.
+        columns, rows: the table: ``step, prompt, image|video, *components, reward, advantage``; the media cell
+            (column ``media_column``) of each row is None, NaN scores are None.
+        frames: videos: per sample its uint8 frames ``[T, H, W, 3]``; None for images.
+        fps: the videos' frame rate.
+    """
+
+    tag: str
+    step: int
+    captions: list[str]
+    media: list[Path]
+    is_video: bool
+    grid: Path
+    columns: list[str]
+    rows: list[list]
+    media_column: str
+    frames: list[np.ndarray] | None = None
+    fps: int = 8
+
+    def gif(self, i: int) -> bytes:
+        """Sample ``i`` as an animated GIF (looping; for viewers that take images only)."""
+        return _gif_bytes(self.frames[i], self.fps)
+
+
+def _gif_bytes(frames: np.ndarray, fps: int) -> bytes:
+    buf = io.BytesIO()
+    pil = [Image.fromarray(f) for f in frames]
+    pil[0].save(buf, format="GIF", save_all=True, append_images=pil[1:], duration=max(20, round(1000 / fps)), loop=0)
+    return buf.getvalue()
+
+
+def _can_encode_mp4() -> bool:
+    try:
+        import imageio  # noqa: F401  (export_to_video's backend)
+        import imageio_ffmpeg  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class Gallery:
-    """Writes sample galleries into ``out_dir/gallery/`` and, when given a run, to W&B (see the module doc).
+    """Writes sample galleries into ``out_dir/gallery/`` (and its HTML index) and hands each to a logger (see the
+    module doc).
 
     Args:
         out_dir: the run directory.
-        wandb_run: a ``wandb`` run (``RunLogger.run``), or None for files only.
+        logger: a :class:`flowgrpo.build.RunLogger` (any backend), or None for files only.
         max_rows: samples per gallery: the first ones of the batch, or, when ``log`` is given ``group_size``,
             spread over every group (at least one per group, so more than ``max_rows`` when there are more groups).
+        fps: frame rate of the videos (files and logger).
     """
 
-    def __init__(self, out_dir: str | os.PathLike, *, wandb_run=None, max_rows: int = 16):
+    def __init__(self, out_dir: str | os.PathLike, *, logger=None, max_rows: int = 16, fps: int = 8):
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self.out_dir = Path(out_dir)
-        self.wandb_run = wandb_run
+        self.logger = logger
         self.max_rows = max_rows
+        self.fps = fps
         self._warned_video = False
 
     def log(
@@ -323,32 +387,33 @@ class Gallery:
         advantages: torch.Tensor | None = None,
         group_size: int | None = None,
         tag: str = "train",
-        fps: int = 8,
+        fps: int | None = None,
         notes: list[list[str]] | None = None,
         marks: torch.Tensor | None = None,
-    ) -> dict[str, Path]:
+    ) -> dict:
         """Log some samples of a batch: the first ``max_rows``, or with ``group_size`` some of every group.
 
         Args:
-            step: training step (x axis in W&B, file name here).
+            step: training step (x axis of the trackers, file name here).
             prompts: ``B`` prompts.
             media: images ``[B, 3, H, W]`` or videos ``[B, T, 3, H, W]``, float in [0, 1] (or uint8).
             rewards: ``[B]`` training scalar; components: ``{name: [B]}`` (e.g. ``RewardOutput.components``);
                 advantages: ``[B]`` or None.
             group_size: None, or ``G`` when the batch is consecutive groups of ``G`` samples of one prompt: the
                 gallery then shows the first ``k = min(G, max(1, max_rows // (B / G)))`` samples of every group.
-            tag: ``"train"``, ``"eval"``, ...: the sub-directory and the W&B key prefix.
-            fps: frame rate of the W&B videos.
+            tag: ``"train"``, ``"eval"``, ...: the sub-directory and the trackers' key prefix.
+            fps: frame rate of the videos (default: the gallery's).
             notes: per sample (``B`` lists) more pieces for the grid's label, after the reward and advantage.
             marks: videos: ``[B, 2]`` first and last frame of a window the grid points out (NaN: none), as
                 :func:`labelled_grid`'s ``marks``.
 
         Returns:
-            ``{"parquet": path, "grid": path}``, plus ``"mp4": dir`` when videos were encoded for W&B.
+            ``{"parquet": path, "grid": path, "media": [one file per sample], "index": the HTML index}``.
         """
         if media.ndim not in (4, 5) or media.shape[-3] != 3:
             raise ValueError(f"Gallery.log: media must be [B,3,H,W] or [B,T,3,H,W], got {tuple(media.shape)}")
         is_video = media.ndim == 5
+        fps = self.fps if fps is None else fps
         components = dict(components or {})
         clash = sorted(set(components) & set(_FIXED))
         if clash:
@@ -397,57 +462,60 @@ class Gallery:
             raise ValueError(f"Gallery.log: notes for {len(notes)} samples, the batch has {batch}")
         if marks is not None and tuple(marks.shape) != (batch, 2):
             raise ValueError(f"Gallery.log: marks must be [{batch}, 2], got {tuple(marks.shape)}")
-        labels = [[f"reward {float(rewards_t[i]):.3f}"] + ([] if adv_t is None else [f"adv {float(adv_t[i]):+.3f}"])
-                  + ([] if notes is None else [str(x) for x in notes[r]]) for i, r in enumerate(index.tolist())]
+        scores = [[f"reward {float(rewards_t[i]):.3f}"] + ([] if adv_t is None else [f"adv {float(adv_t[i]):+.3f}"])
+                  for i in range(n)]
+        labels = [scores[i] + ([] if notes is None else [str(x) for x in notes[r]])
+                  for i, r in enumerate(index.tolist())]
         grid = folder / f"{stem}.png"
         shown_marks = None if marks is None or not is_video else marks.detach().cpu().float()[index].tolist()
         labelled_grid(pixels, prompts, labels, marks=shown_marks).save(grid)
-        out = {"parquet": parquet, "grid": grid}
 
-        if self.wandb_run is not None:
-            mp4_dir = self._log_wandb(step, tag, prompts, pixels, strips, comp_t, rewards_t, adv_t, folder, stem, fps)
-            if mp4_dir is not None:
-                out["mp4"] = mp4_dir
-        return out
+        video_frames = [p.permute(0, 2, 3, 1).numpy() for p in pixels] if is_video else None  # [T, H, W, 3]
+        files = self._write_media(folder / stem, strips, video_frames, fps)
+        media_column = "video" if is_video else "image"
+        page = GalleryPage(
+            tag=tag, step=int(step), captions=[f"{p}\n{'  '.join(s)}" for p, s in zip(prompts, scores)],
+            media=files, is_video=is_video, grid=grid,
+            columns=["step", "prompt", media_column, *comp_t, "reward", "advantage"],
+            rows=[[int(step), prompts[i], None, *(_num(v[i]) for v in comp_t.values()), _num(rewards_t[i]),
+                   None if adv_t is None else _num(adv_t[i])] for i in range(n)],
+            media_column=media_column, frames=video_frames, fps=fps)
+        if self.logger is not None:
+            self.logger.log_gallery(page)
+        return {"parquet": parquet, "grid": grid, "media": files, "index": write_index(self.out_dir / "gallery")}
 
-    def _log_wandb(self, step, tag, prompts, pixels, strips, comp_t, rewards_t, adv_t, folder, stem, fps):
-        import wandb  # optional and lazy
-
-        is_video = pixels.ndim == 5
-        mp4_dir = None
-        if is_video:
-            try:
-                import imageio  # noqa: F401  (export_to_video's backend)
-                import imageio_ffmpeg  # noqa: F401
-                can_encode = True
-            except ImportError:
-                can_encode = False
-                if not self._warned_video:
-                    warnings.warn("Gallery: W&B videos need `pip install imageio imageio-ffmpeg`; logging frame "
-                                  "strips as images instead", stacklevel=3)
-                    self._warned_video = True
-            if can_encode:
+    def _write_media(self, folder: Path, strips: list[np.ndarray], frames: list[np.ndarray] | None,
+                     fps: int) -> list[Path]:
+        """One file per sample in ``folder``: ``NNN.png`` (``.jpg`` when large) or ``NNN.mp4`` (``.gif`` without
+        ffmpeg); a file left from an earlier write of this step is replaced."""
+        folder.mkdir(exist_ok=True)
+        for old in folder.iterdir():
+            old.unlink()
+        files = []
+        if frames is None:
+            for i, hwc in enumerate(strips):
+                large = min(hwc.shape[:2]) >= _JPEG_FROM
+                path = folder / f"{i:03d}.{'jpg' if large else 'png'}"
+                Image.fromarray(hwc).save(path, **({"quality": 95} if large else {}))
+                files.append(path)
+            return files
+        mp4 = _can_encode_mp4()
+        if not mp4 and not self._warned_video:
+            warnings.warn("Gallery: mp4 videos need `pip install imageio imageio-ffmpeg`; writing GIFs instead",
+                          stacklevel=3)
+            self._warned_video = True
+        for i, clip in enumerate(frames):
+            if mp4:
                 from diffusers.utils import export_to_video
 
-                mp4_dir = folder / f"{stem}-mp4"
-                mp4_dir.mkdir(exist_ok=True)
-        cells = []
-        for i, p in enumerate(pixels):
-            if is_video and mp4_dir is not None:
-                path = mp4_dir / f"{i:03d}.mp4"
-                export_to_video([Image.fromarray(f.permute(1, 2, 0).numpy()) for f in p], str(path), fps=fps)
-                cells.append(wandb.Video(str(path), format="mp4"))
+                path = folder / f"{i:03d}.mp4"
+                # PIL frames go in as their uint8 pixels (float frames are scaled by 255 and truncated)
+                export_to_video([Image.fromarray(f) for f in clip], str(path), fps=fps)
             else:
-                # A PIL image: wandb 0.31 reads numpy arrays as HWC only (CHW ones raise), torch tensors as CHW.
-                cells.append(wandb.Image(Image.fromarray(strips[i]), file_type="jpg"))
-        columns = ["step", "prompt", "video" if is_video else "image", *comp_t, "reward", "advantage"]
-        table = wandb.Table(columns=columns)
-        for i in range(len(prompts)):
-            row = [int(step), prompts[i], cells[i], *(_num(v[i]) for v in comp_t.values()),
-                   _num(rewards_t[i]), None if adv_t is None else _num(adv_t[i])]
-            table.add_data(*row)
-        self.wandb_run.log({f"{tag}/gallery": table}, step=int(step))
-        return mp4_dir
+                path = folder / f"{i:03d}.gif"
+                path.write_bytes(_gif_bytes(clip, fps))
+            files.append(path)
+        return files
 
 
 def _num(x: torch.Tensor) -> float | None:
@@ -479,3 +547,99 @@ def read_gallery(path: str | os.PathLike) -> list[dict]:
             record["pil"] = pil
             rows.append(record)
     return rows
+
+
+# ------------------------------------------------------------------------------------------ the HTML index
+
+_INDEX_CSS = """
+body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
+h1 { font-size: 1.4em; } h2 { margin-top: 1.6em; border-bottom: 2px solid #888; }
+h3 { font-size: 1.05em; margin: 1.2em 0 0.4em; } h3 small { font-weight: normal; color: #555; }
+nav a, h3 a { margin-right: 0.6em; }
+.cells { display: flex; flex-wrap: wrap; gap: 10px; }
+figure { margin: 0; width: 196px; border: 1px solid #aaa; background: #fafafa; }
+figure img, figure video { width: 196px; display: block; image-rendering: pixelated; background: #000; }
+figcaption { font-size: 12px; padding: 4px 6px; line-height: 1.35; overflow-wrap: anywhere; }
+figcaption .scores { font-family: ui-monospace, monospace; }
+figcaption .parts { font-family: ui-monospace, monospace; color: #555; }
+"""
+
+
+_INDEX_ROWS: dict[tuple[Path, int], list[dict]] = {}  # (gallery file, its mtime) -> its rows without pixels
+
+
+def _index_rows(parquet: Path) -> list[dict]:
+    """A gallery file's rows without their pixels, read once per version of the file."""
+    key = (parquet.resolve(), parquet.stat().st_mtime_ns)
+    if key not in _INDEX_ROWS:
+        names = [c for c in pq.read_schema(parquet).names if c != "image_png"]
+        _INDEX_ROWS[key] = pq.read_table(parquet, columns=names).to_pylist()
+    return _INDEX_ROWS[key]
+
+
+def _rel(path: Path, root: Path) -> str:
+    """``path`` relative to ``root`` as a URL path (each part quoted)."""
+    return "/".join(quote(part) for part in path.relative_to(root).parts)
+
+
+def _fmt(value) -> str | None:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def write_index(gallery_dir: str | os.PathLike) -> Path:
+    """Write ``gallery_dir/index.html``: every gallery under ``gallery_dir`` (``{tag}/step-NNNNNN.parquet``), one
+    section per tag, newest step first; per step the samples with their media (images, or videos that play) and
+    captions (prompt, reward, advantage, every reward component), and links to the labelled grid and the parquet
+    file. Links are relative, so the page opens from the run directory anywhere. :meth:`Gallery.log` rewrites it
+    after each gallery; call it on an older run's ``gallery/`` to (re)build one. Returns its path."""
+    gallery_dir = Path(gallery_dir)
+    tags = sorted(p.parent.name for p in gallery_dir.glob("*/step-*.parquet"))
+    tags = sorted(set(tags), key=lambda t: (t != "train", t))  # training first, then eval, ...
+    esc = html.escape
+    out = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
+           f"<title>Galleries: {esc(gallery_dir.resolve().parent.name)}</title>",
+           f"<style>{_INDEX_CSS}</style></head><body>",
+           f"<h1>Galleries of {esc(gallery_dir.resolve().parent.name)}</h1>",
+           "<nav>" + "".join(f'<a href="#{quote(t)}">{esc(t)}</a>' for t in tags) + "</nav>"]
+    if not tags:
+        out.append("<p>No gallery yet.</p>")
+    for tag in tags:
+        files = sorted((gallery_dir / tag).glob("step-*.parquet"), reverse=True)
+        out.append(f'<h2 id="{quote(tag)}">{esc(tag)}</h2>')
+        out.append("<nav>steps: " + "".join(f'<a href="#{quote(tag)}-{int(f.stem[5:])}">{int(f.stem[5:])}</a>'
+                                             for f in files) + "</nav>")
+        for parquet in files:
+            step = int(parquet.stem[5:])
+            grid = parquet.with_suffix(".png")
+            links = [f'<a href="{_rel(grid, gallery_dir)}">labelled grid</a>'] if grid.exists() else []
+            links.append(f'<a href="{_rel(parquet, gallery_dir)}">parquet</a>')
+            out.append(f'<h3 id="{quote(tag)}-{step}">step {step} <small>{" · ".join(links)}</small></h3>')
+            media = {int(p.stem): p for p in (gallery_dir / tag / parquet.stem).glob("*.*") if p.stem.isdigit()}
+            out.append('<div class="cells">')
+            for i, row in enumerate(_index_rows(parquet)):
+                path = media.get(i)
+                if path is None:
+                    shown = ""
+                elif path.suffix == ".mp4":
+                    shown = (f'<video src="{_rel(path, gallery_dir)}" autoplay loop muted playsinline controls '
+                             'preload="auto"></video>')
+                else:
+                    shown = f'<img src="{_rel(path, gallery_dir)}" alt="sample {i}" loading="lazy">'
+                scores = [f"reward {_fmt(row['reward']) or 'n/a'}"]
+                if _fmt(row.get("advantage")) is not None:
+                    scores.append(f"adv {row['advantage']:+.3f}")
+                parts = [f"{esc(k)}&nbsp;{_fmt(v)}" for k, v in row.items() if k not in _FIXED and _fmt(v) is not None]
+                out.append(f"<figure>{shown}<figcaption>{esc(row['prompt'])}<br>"
+                           f'<span class="scores">{esc("  ".join(scores))}</span>'
+                           + (f'<br><span class="parts">{" · ".join(parts)}</span>' if parts else "")
+                           + "</figcaption></figure>")
+            out.append("</div>")
+    out.append("</body></html>")
+    index = gallery_dir / "index.html"
+    gallery_dir.mkdir(parents=True, exist_ok=True)
+    tmp = gallery_dir / f".index.html.{uuid.uuid4().hex[:8]}"
+    tmp.write_text("\n".join(out) + "\n", encoding="utf-8")
+    os.replace(tmp, index)
+    return index

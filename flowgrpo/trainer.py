@@ -157,7 +157,7 @@ class Trainer(RunState, HeldOut, Guards):
         self._metrics_stale = False  # a metrics.jsonl write failed: the next one rewrites the file whole
         if self.acc.is_main_process:
             self.logger = build_logger(cfg.logger, output_dir=self.out, config=OmegaConf.to_container(cfg, resolve=True))
-            self.gallery = Gallery(self.out, wandb_run=getattr(self.logger, "run", None), max_rows=t.gallery_size)
+            self.gallery = Gallery(self.out, logger=self.logger, max_rows=t.gallery_size, fps=cfg.logger.fps)
 
     # ------------------------------------------------------------------ set-up helpers
     def _lr_scheduler(self):

@@ -1,12 +1,16 @@
-"""Galleries: parquet + labelled PNG grid always, a W&B Table when a run is given; what is read back is what was
-logged; the grid has one framed, labelled cell per sample; the trainer's gallery shows every prompt."""
+"""Galleries: parquet, labelled PNG grid, each sample's own file and the HTML index always; each logger backend's
+view of them (a W&B table and captioned panel, TensorBoard images and text); what is read back is what was logged;
+the grid has one framed, labelled cell per sample; the trainer's gallery shows every prompt, the held-out one every
+tag."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import io
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
+from flowgrpo.build import build_logger
 from flowgrpo.gallery import Gallery, read_gallery, to_uint8
 
 # the grid layout documented in flowgrpo.gallery
@@ -56,14 +61,24 @@ def _same_float(a: float | None, b: torch.Tensor) -> bool:
     return (a is None and math.isnan(b)) or (a is not None and (a == b or (math.isnan(a) and math.isnan(b))))
 
 
+def logger_node(name: str, **kw):
+    from omegaconf import OmegaConf
+
+    from flowgrpo.config import LoggerConfig
+
+    return OmegaConf.structured(LoggerConfig(name=name, **kw))
+
+
 @pytest.fixture
 def wandb_run(tmp_path, monkeypatch):
-    wandb = pytest.importorskip("wandb")
+    """A ``logger=wandb`` RunLogger on a disabled run, and what its run was asked to log."""
+    pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "disabled")
     for var in ("WANDB_DIR", "WANDB_DATA_DIR", "WANDB_CACHE_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "wandb"))
-    run = wandb.init(mode="disabled", project="flowgrpo-test", dir=str(tmp_path / "wandb"))
+    logger = build_logger(logger_node("wandb"), output_dir=tmp_path / "wandb")
     logged = []
+    run = logger.run
     original = run.log
 
     def spy(data, step=None, **kwargs):
@@ -71,19 +86,21 @@ def wandb_run(tmp_path, monkeypatch):
         return original(data, step=step, **kwargs)
 
     run.log = spy
-    yield run, logged
-    run.finish()
+    yield logger, logged
+    logger.finish()
 
 
 @pytest.mark.parametrize("with_wandb", [False, True], ids=["files-only", "wandb-disabled"])
 def test_image_gallery_round_trip(tmp_path, request, with_wandb):
     run, logged = request.getfixturevalue("wandb_run") if with_wandb else (None, None)
     prompts, media, rewards, components, advantages = _batch(b=10)
-    gallery = Gallery(tmp_path, wandb_run=run, max_rows=9)
+    gallery = Gallery(tmp_path, logger=run, max_rows=9)
     out = gallery.log(12, prompts, media, rewards=rewards, components=components, advantages=advantages)
 
     folder = tmp_path / "gallery" / "train"
-    assert out == {"parquet": folder / "step-000012.parquet", "grid": folder / "step-000012.png"}
+    assert out["parquet"] == folder / "step-000012.parquet" and out["grid"] == folder / "step-000012.png"
+    assert out["media"] == [folder / "step-000012" / f"{i:03d}.png" for i in range(9)]
+    assert out["index"] == tmp_path / "gallery" / "index.html"
     rows = read_gallery(out["parquet"])
     assert len(rows) == 9  # max_rows
     expected = to_uint8(media)
@@ -95,6 +112,8 @@ def test_image_gallery_round_trip(tmp_path, request, with_wandb):
         for name, values in components.items():
             assert _same_float(row[name], values[i]), name
     assert rows[0]["image"].eq(255).all() and rows[1]["image"].eq(0).all()
+    for i, path in enumerate(out["media"]):  # each sample's own file: its stored pixels, not upscaled
+        assert np.array_equal(np.asarray(Image.open(path).convert("RGB")), expected[i].permute(1, 2, 0).numpy())
 
     grid = np.asarray(Image.open(out["grid"]).convert("RGB"))
     s = math.ceil(MIN_SIDE / 12)  # 12x16 images are shown 11 times larger: 132x176
@@ -124,6 +143,9 @@ def test_image_gallery_round_trip(tmp_path, request, with_wandb):
         assert len(table.data) == 9 and isinstance(table.data[0][2], wandb.Image)
         assert table.data[1][-3] is None  # NaN component (tag not applicable) → empty cell
         assert table.data[0][-1] == pytest.approx(float(advantages[0]))
+        samples = data["train/samples"]  # the media panel: one captioned image per sample
+        assert len(samples) == 9 and all(isinstance(x, wandb.Image) for x in samples)
+        assert samples[3]._caption == f"{prompts[3]}\nreward {float(rewards[3]):.3f}  adv {float(advantages[3]):+.3f}"
 
 
 @pytest.mark.parametrize("with_wandb", [False, True], ids=["files-only", "wandb-disabled"])
@@ -131,7 +153,7 @@ def test_video_gallery_round_trip(tmp_path, request, with_wandb):
     run, logged = request.getfixturevalue("wandb_run") if with_wandb else (None, None)
     t = 10
     prompts, media, rewards, components, _ = _batch(b=3, t=t, h=16, w=16, seed=1)
-    out = Gallery(tmp_path, wandb_run=run).log(5, prompts, media, rewards=rewards, components=components,
+    out = Gallery(tmp_path, logger=run).log(5, prompts, media, rewards=rewards, components=components,
                                                  tag="eval", fps=4)
 
     rows = read_gallery(tmp_path / "gallery" / "eval")  # a directory: every step file
@@ -168,15 +190,20 @@ def test_video_gallery_round_trip(tmp_path, request, with_wandb):
         ((step, data),) = logged
         table = data["eval/gallery"]
         assert step == 5 and table.columns[:3] == ["step", "prompt", "video"]
-        if importlib.util.find_spec("imageio_ffmpeg") is not None:
-            assert isinstance(table.data[0][2], wandb.Video)
-            mp4s = sorted(out["mp4"].glob("*.mp4"))
-            assert len(mp4s) == 3 and all(p.stat().st_size > 0 for p in mp4s)
-        else:
-            assert isinstance(table.data[0][2], wandb.Image)
+        assert isinstance(table.data[0][2], wandb.Video)
+        samples = data["eval/samples"]
+        assert len(samples) == 3 and all(isinstance(x, wandb.Video) for x in samples)
+        assert samples[0]._caption.startswith(prompts[0] + "\nreward ")
+    if importlib.util.find_spec("imageio_ffmpeg") is not None:  # with any logger: a video file per sample
+        assert [p.name for p in out["media"]] == ["000.mp4", "001.mp4", "002.mp4"]
+        import imageio.v3 as iio
+
+        clip = iio.imread(out["media"][1])  # decodes: T frames of the clip's size, near its pixels (lossy)
+        assert clip.shape == (10, 16, 16, 3)
+        assert np.abs(clip.astype(float) - expected[1].permute(0, 2, 3, 1).numpy()).mean() < 40
 
 
-def test_video_without_ffmpeg_falls_back_to_frame_strips(tmp_path, wandb_run, monkeypatch):
+def test_video_without_ffmpeg_falls_back_to_gifs(tmp_path, wandb_run, monkeypatch):
     import builtins
 
     import wandb
@@ -190,12 +217,14 @@ def test_video_without_ffmpeg_falls_back_to_frame_strips(tmp_path, wandb_run, mo
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_imageio)
-    prompts, media, rewards, _, _ = _batch(b=2, t=3, h=8, w=8)
+    prompts, media, rewards, _, _ = _batch(b=3, t=3, h=8, w=8)
     with pytest.warns(UserWarning, match="imageio-ffmpeg"):
-        out = Gallery(tmp_path, wandb_run=run).log(1, prompts, media, rewards=rewards)
-    assert "mp4" not in out
+        out = Gallery(tmp_path, logger=run).log(1, prompts, media, rewards=rewards)
+    assert [p.name for p in out["media"]] == ["000.gif", "001.gif", "002.gif"]
+    gif = Image.open(out["media"][2])  # random frames (the first two clips are one colour: a single GIF frame)
+    assert gif.n_frames == 3 and gif.size == (8, 8)
     ((_, data),) = logged
-    assert isinstance(data["train/gallery"].data[0][2], wandb.Image)
+    assert isinstance(data["train/gallery"].data[0][2], wandb.Video) and data["train/samples"][0]._format == "gif"
 
 
 def test_bad_inputs_say_what_is_wrong(tmp_path):
@@ -260,45 +289,54 @@ def test_group_size_shows_every_group(tmp_path):
         Gallery(tmp_path).log(0, prompts, media, rewards=rewards, group_size=5)
 
 
-def test_wandb_offline_run_writes_the_table_and_the_mp4s(tmp_path, monkeypatch):
-    """A real (offline) W&B run: the table file the run writes has the columns, and the mp4s it references by hash
-    are copied into the run's storage."""
-    wandb = pytest.importorskip("wandb")
+def test_an_offline_wandb_run_copied_elsewhere_holds_every_media_file(tmp_path, monkeypatch):
+    """logger=wandb offline, W&B's own directories (its staging area) outside the run dir: after the run dir is
+    copied elsewhere and the original and W&B's directories are deleted, the copy still holds every file the run's
+    record references (the tables' media, staged for upload), our videos and images byte for byte, the table files
+    and the media panels."""
+    import re
+    import shutil
+
+    pytest.importorskip("wandb")
     pytest.importorskip("imageio_ffmpeg")
-    root = tmp_path / "wandb"
+    home = tmp_path / "home"
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     for var in ("WANDB_DIR", "WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR"):
-        monkeypatch.setenv(var, str(root))
-    prompts, media, rewards, components, advantages = _batch(b=3, t=6, h=16, w=16, seed=2)
-    run = wandb.init(mode="offline", project="flowgrpo-test", dir=str(root))
-    try:
-        out = Gallery(tmp_path / "run", wandb_run=run).log(
-            4, prompts, media, rewards=rewards, components=components, advantages=advantages, tag="train", fps=4)
-    finally:
-        run.finish()
-    columns = ["step", "prompt", "video", "strict", "partial/counting", "reward", "advantage"]
-    mp4s = sorted(out["mp4"].glob("*.mp4"))
-    assert len(mp4s) == 3
-    ours = {hashlib.sha256(p.read_bytes()).hexdigest() for p in mp4s}
-    assert len(ours) == 3
+        monkeypatch.setenv(var, str(home))
+    run_dir = tmp_path / "run"
+    logger = build_logger(logger_node("wandb", mode="offline"), output_dir=run_dir, config={"trainer": {"seed": 0}})
+    gallery = Gallery(run_dir, logger=logger)
+    prompts, images, rewards, components, advantages = _batch(b=4, h=16, w=16, seed=2)
+    logger.log({"reward/mean": 0.5}, step=1)
+    ours = gallery.log(1, prompts, images, rewards=rewards, components=components, advantages=advantages)["media"]
+    prompts, videos, rewards, _, _ = _batch(b=3, t=6, h=16, w=16, seed=3)
+    ours += gallery.log(2, prompts, videos, rewards=rewards, tag="eval", fps=4)["media"]
+    logger.finish()
+    assert os.environ["WANDB_DATA_DIR"] == str(home)  # the staging directory was moved for the tables only
+    assert not list(home.rglob("staging/*"))  # nothing was staged outside the run dir
 
-    (table_file,) = root.glob("wandb/offline-run-*/files/media/table/train/gallery_*.table.json")
-    table = json.loads(table_file.read_text())
-    assert table["columns"] == columns
-    assert [row[:2] for row in table["data"]] == [[4, p] for p in prompts]
-    assert [row[-2] for row in table["data"]] == pytest.approx([float(r) for r in rewards])
-    assert [row[-1] for row in table["data"]] == pytest.approx([float(a) for a in advantages])
-    assert table["data"][1][4] is None  # a NaN component is an empty cell
+    ours = {hashlib.sha256(p.read_bytes()).hexdigest() for p in ours}
+    copy = tmp_path / "elsewhere" / "run"
+    shutil.copytree(run_dir, copy)
+    shutil.rmtree(run_dir)
+    shutil.rmtree(home)
+    (sync_dir,) = copy.glob("wandb/offline-run-*")
+    record = next(sync_dir.glob("run-*.wandb")).read_bytes()
+    staged = set(re.findall(rb"/artifacts/staging/(tmp[a-z0-9_]{8})", record))  # tempfile's names
+    assert len(staged) >= len(ours) + 2  # every sample's file and the two tables
+    for name in staged:
+        assert len(list(sync_dir.glob(f"data/artifacts/staging/{name.decode()}"))) == 1, name
+    assert str(home).encode() + b"/artifacts" not in record
 
-    stored = [p for p in root.rglob("*") if p.is_file()]
-    hashes = {hashlib.sha256(p.read_bytes()).hexdigest() for p in stored}
-    assert ours <= hashes  # the videos themselves went into the run's storage
-    tables = [json.loads(p.read_text()) for p in stored if p.read_bytes()[:1] == b"{" and b'"video-file"' in p.read_bytes()]
-    assert tables, "no table with video cells was written"
-    for t in tables:  # the table as W&B shows it: video cells that point at our mp4s
-        assert t["columns"] == columns
-        assert {row[2]["sha256"] for row in t["data"]} == ours and all(row[2]["_type"] == "video-file" for row in t["data"])
+    files = [p for p in copy.rglob("*") if p.is_file() and "gallery" not in p.relative_to(copy).parts]
+    digests = {hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    assert ours <= digests  # our mp4s and PNGs, unchanged, in W&B's part of the run dir
+    media = sync_dir / "files" / "media"
+    assert len(list(media.glob("images/train/samples_*.png"))) == 4  # the panels: run files, synced with the run
+    assert len(list(media.glob("videos/eval/samples_*.mp4"))) == 3
+    (table,) = media.glob("table/eval/gallery_*.table.json")
+    assert json.loads(table.read_text())["columns"] == ["step", "prompt", "video", "reward", "advantage"]
 
 
 def test_the_training_gallery_shows_every_prompt_of_the_iteration(tmp_path):
@@ -422,3 +460,112 @@ def test_the_held_out_gallery_shows_every_tag_and_leaves_the_scores_alone(tmp_pa
     tags = {m["tag"]: None for m in trainer.test_set.subset([i for i, _ in jobs]).metadata}
     by_prompt = {p: m["tag"] for p, m in zip(trainer.test_set.prompts, trainer.test_set.metadata)}
     assert len(rows) == 8 and {by_prompt[r["prompt"]] for r in rows} == set(tags)
+
+
+def test_tensorboard_events_hold_the_scalars_the_galleries_and_the_clips(tmp_path):
+    """logger=tensorboard: reading the event file back finds every scalar, the labelled grid of each gallery (pixel
+    for pixel), the captions and, per video, an animated GIF of all its frames."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = build_logger(logger_node("tensorboard"), output_dir=tmp_path, config={"trainer": {"seed": 3}})
+    gallery = Gallery(tmp_path, logger=logger)
+    logger.log({"reward/mean": 0.25, "loss": -1.5}, step=1)
+    logger.log({"reward/mean": 0.5}, step=2)
+    prompts, images, rewards, components, advantages = _batch(b=3, h=16, w=16, seed=4)
+    grid = gallery.log(2, prompts, images, rewards=rewards, components=components, advantages=advantages)["grid"]
+    clips = _batch(b=3, t=5, h=16, w=16, seed=5)  # a white clip, a black one, a random one
+    gallery.log(2, clips[0], clips[1], rewards=clips[2], tag="eval")
+    logger.finish()
+
+    (events,) = {p.parent for p in tmp_path.glob("tensorboard/**/events.out.tfevents.*")}
+    acc = EventAccumulator(str(events), size_guidance={"images": 0, "tensors": 0, "scalars": 0}).Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(1, 0.25), (2, 0.5)]
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, -1.5)]
+    (shown,) = acc.Images("train/gallery")
+    pixels = np.asarray(Image.open(io.BytesIO(shown.encoded_image_string)).convert("RGB"))
+    assert shown.step == 2 and np.array_equal(pixels, np.asarray(Image.open(grid).convert("RGB")))
+    assert len(acc.Images("eval/gallery")) == 1
+    gifs = [Image.open(io.BytesIO(acc.Images(f"eval/video/{i:02d}")[0].encoded_image_string)) for i in range(3)]
+    assert all(g.format == "GIF" and g.size == (16, 16) for g in gifs)
+    assert [g.n_frames for g in gifs] == [1, 1, 5]  # a still clip is one GIF frame
+    gifs[2].seek(3)
+    assert np.abs(np.asarray(gifs[2].convert("RGB"), float) - upscaled(to_uint8(clips[1][2, 3]), 1)).mean() < 20
+    text = acc.Tensors("train/captions/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert all(p in text for p in prompts) and f"{float(rewards[2]):.4g}" in text
+    assert "seed: 3" in acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+
+
+def test_the_html_index_links_every_gallery_file_and_nothing_missing(tmp_path):
+    """gallery/index.html after image and video galleries at two steps: every file under gallery/ is linked, every
+    link is relative and points at a file that exists, and each sample's caption has its prompt and scores."""
+    from html.parser import HTMLParser
+    from urllib.parse import unquote, urlparse
+
+    class Links(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.links, self.text = [], []
+
+        def handle_starttag(self, tag, attrs):
+            self.links += [v for k, v in attrs if k in ("href", "src") and not v.startswith("#")]
+
+        def handle_data(self, data):
+            self.text.append(data)
+
+    gallery = Gallery(tmp_path, max_rows=4)
+    prompts, images, rewards, components, advantages = _batch(b=4, h=16, w=16)
+    prompts[2] = "a <b>bold</b> & odd prompt"
+    for step in (1, 2):
+        gallery.log(step, prompts, images, rewards=rewards, components=components, advantages=advantages)
+    clips = _batch(b=2, t=4, h=16, w=16)
+    index = gallery.log(2, clips[0], clips[1], rewards=clips[2], tag="eval")["index"]
+
+    page = Links()
+    page.feed(index.read_text())
+    assert all(not urlparse(link).scheme and not link.startswith("/") for link in page.links)  # relative
+    linked = {(index.parent / unquote(link)).resolve() for link in page.links}
+    on_disk = {p.resolve() for p in (tmp_path / "gallery").rglob("*") if p.is_file() and p != index}
+    assert linked == on_disk and len(on_disk) == 2 * (2 + 4) + 2 + 2
+    text = " ".join(page.text)
+    assert prompts[2] in text and "<b>" not in text.replace(prompts[2], "")  # escaped, shown as written
+    assert f"reward {float(rewards[0]):.3f}" in text and f"adv {float(advantages[0]):+.3f}" in text
+    assert f"partial/counting\xa0{float(components['partial/counting'][2]):.3f}" in text
+    assert index.read_text().count("<video") == 2 and index.read_text().count("<img") == 8
+
+
+def test_logger_choices_are_the_trackers_and_a_missing_package_is_named(tmp_path, monkeypatch):
+    from flowgrpo.build.logger import TRACKERS
+    from flowgrpo.config import LoggerConfig
+
+    conf = Path(__file__).resolve().parents[1] / "conf" / "logger"
+    choices = LoggerConfig.__dataclass_fields__["name"].metadata["choices"]
+    assert set(choices) == {"none", *TRACKERS} == {p.stem for p in conf.glob("*.yaml")}
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "aim" else real(name, *a))
+    with pytest.raises(ImportError, match=r"logger=aim needs the 'aim' package: pip install aim"):
+        build_logger(logger_node("aim"), output_dir=tmp_path)
+
+
+def test_mlflow_gets_the_scalars_the_config_and_the_gallery_files(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE"):  # a store of the run's own (and unset after)
+        monkeypatch.delenv(var, raising=False)
+    logger = build_logger(logger_node("mlflow", project="flowgrpo-test"), output_dir=tmp_path,
+                          config={"trainer": {"seed": 3, "adam_betas": [0.9, 0.999]}})
+    run_id = logger.tracker.active_run.info.run_id
+    try:
+        logger.log({"reward/mean": 0.25}, step=1)
+        prompts, images, rewards, _, _ = _batch(b=2, h=16, w=16)
+        out = Gallery(tmp_path, logger=logger).log(1, prompts, images, rewards=rewards)
+    finally:
+        logger.finish()
+    client = mlflow.tracking.MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
+    run = client.get_run(run_id)
+    assert run.data.metrics["reward/mean"] == 0.25
+    assert run.data.params["trainer.seed"] == "3" and run.data.params["trainer.adam_betas"] == "[0.9, 0.999]"
+    stored = {Path(p).relative_to(tmp_path / "mlruns").as_posix().split("/artifacts/", 1)[1]
+              for p in map(str, (tmp_path / "mlruns").rglob("*")) if "/artifacts/" in p and Path(p).is_file()}
+    assert stored == {"gallery/train/step-000001.png", "gallery/train/step-000001/000.png",
+                      "gallery/train/step-000001/001.png", "gallery/train/step-000001/captions.json"}
+    assert out["grid"].exists()
