@@ -18,6 +18,7 @@ from contextlib import nullcontext
 
 import torch
 from omegaconf import OmegaConf
+from tqdm.auto import tqdm
 
 from .evaluation import EvalSamples, gallery_jobs, held_out_jobs, score_jobs
 
@@ -102,16 +103,25 @@ class HeldOut:
         """Every held-out ``(prompt, sample)`` job of ``jobs`` generated and scored as :meth:`evaluate` does (its
         seeds, sampler, EMA weights when enabled), dealt over the processes and gathered back in job order: the
         per-sample scores behind its means. ``on_batch`` sees this process's batches, ``between_batches`` is called
-        before each of them after the first (``score_jobs``; every process runs as many batches)."""
+        before each of them after the first (``score_jobs``; every process runs as many batches). A progress bar
+        counts the main process's samples on a terminal (none on another process, or when the output is not one)."""
         t = self.cfg.trainer
         # every process runs the same number of jobs (a gather needs equal shapes): padding repeats the last job and
         # is dropped after the gather
         mine = _dealt(len(jobs), self.rank, self.world)
-        with self.ema.swapped_in() if self.ema is not None else nullcontext():
+        bar = tqdm(total=len(mine), desc=f"held-out evaluation @ {self.iteration}", unit="sample", leave=False,
+                   dynamic_ncols=True, disable=None if self.acc.is_main_process else True)
+
+        def counted(start, prompts, images, out):
+            bar.update(len(prompts))
+            if on_batch is not None:
+                on_batch(start, prompts, images, out)
+
+        with bar, self.ema.swapped_in() if self.ema is not None else nullcontext():
             local = score_jobs(self.adapter, self.reward, self.test_set, [jobs[min(k, len(jobs) - 1)] for k in mine],
                                seed=t.eval_seed, sigmas=self.sampler.eval_sigmas, model_kw=self.model_kw,
                                batch_size=self.batch.rollout_batch_per_process, autocast=self.acc.autocast,
-                               on_batch=on_batch, between_batches=between_batches)
+                               on_batch=counted, between_batches=between_batches)
         index = self.acc.gather(torch.tensor([k if k < len(jobs) else -1 for k in mine], device=self.device))
         valid = index >= 0
         position = torch.empty(len(jobs), dtype=torch.long, device=self.device)  # gathered row of each job

@@ -13,12 +13,13 @@ import logging
 import shutil
 import subprocess
 import sys
+import time
 import traceback
 import warnings
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["log", "run_log", "LOG_NAME"]
+__all__ = ["log", "run_log", "bar_paused", "LOG_NAME"]
 
 LOG_NAME = "train.log"
 log = logging.getLogger("flowgrpo")
@@ -143,6 +144,20 @@ def run_log(run_dir: str | Path, main: bool = True) -> Iterator[Path | None]:
             root.removeHandler(handler)
             handler.close()
             del _active[path]
+
+
+@contextlib.contextmanager
+def bar_paused(bar) -> Iterator[None]:
+    """Leave the time spent in the block out of a tqdm bar's elapsed time and its s/it (the iteration bar counts
+    iterations, not the held-out evaluations between them). ``bar``: a tqdm bar, or None."""
+    start = time.time()  # tqdm's own clock
+    try:
+        yield
+    finally:
+        if bar is not None and not getattr(bar, "disable", True):
+            spent = time.time() - start
+            bar.start_t += spent
+            bar.last_print_t += spent  # the next update's interval, from which the rate is smoothed
 
 
 def code_version(where: str | Path | None = None) -> dict | None:

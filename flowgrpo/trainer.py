@@ -45,7 +45,7 @@ from .held_out import HeldOut
 from .jsonio import dumps  # metrics.jsonl: strict JSON (NaN / inf as null)
 from .rollout import SamplingModel
 from .run_state import RunState
-from .runlog import log, run_log
+from .runlog import bar_paused, log, run_log
 from .seeding import ORDER_STREAM, PROMPTS_STREAM
 from .seeding import seeded_generator as _gen
 from .train_metrics import train_scalars
@@ -221,8 +221,8 @@ class Trainer(RunState, HeldOut, Guards):
             self._append_metrics(None)
         if t.eval_before and self.iteration == 0 and not self.evals:
             self._record_eval()
-        bar = tqdm(total=t.iterations, initial=self.iteration, disable=not self.acc.is_main_process,
-                   desc=self.algorithm.name, dynamic_ncols=True)
+        self._bar = bar = tqdm(total=t.iterations, initial=self.iteration, disable=not self.acc.is_main_process,
+                               desc=self.algorithm.name, dynamic_ncols=True)
         stopped, light = None, None
         # An exception in here (reward server down, OOM, a bug) checkpoints the last completed iteration and writes
         # summary.json with the error before it propagates (_on_crash).
@@ -280,8 +280,7 @@ class Trainer(RunState, HeldOut, Guards):
         self.algorithm.end_iteration(self.policy)
         self.iteration += 1
         self._last_batch = batch
-        scalars = self._scalars(batch, train, timings)
-        return scalars
+        return self._scalars(batch, train, timings)
 
     # ------------------------------------------------------------------ 1. plan
     def plan(self, iteration: int) -> Batch:
@@ -489,7 +488,8 @@ class Trainer(RunState, HeldOut, Guards):
     def _record_eval(self) -> bool:
         """Evaluate and record the result; False when a stop request abandoned the evaluation (nothing recorded)."""
         try:
-            result = self.evaluate()
+            with bar_paused(getattr(self, "_bar", None)):  # the iteration bar's s/it leaves evaluations out
+                result = self.evaluate()
         except Trainer._Abandon:
             return False
         if not result:

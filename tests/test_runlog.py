@@ -203,3 +203,71 @@ def test_code_version_names_the_commit_of_the_code_and_nothing_outside_git(tmp_p
     assert code_version(tmp_path) is None  # an installed package: no git work tree, no guess
     assert code_label({"commit": "abc1234", "changes": True}) == "abc1234+changes"
     assert code_label({"commit": "abc1234", "changes": False}) == "abc1234" and code_label(None) is None
+
+
+# ------------------------------------------------------------------------------------------- progress a person follows
+
+
+class _Bar:
+    """Records what a progress bar was asked to show (stands in for tqdm)."""
+
+    made: list = []
+
+    def __init__(self, *args, **kwargs):
+        self.kwargs, self.n, self.closed = kwargs, 0, False
+        _Bar.made.append(self)
+
+    def update(self, n=1):
+        self.n += n
+
+    def close(self):
+        self.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def test_the_held_out_evaluation_counts_its_samples_on_a_progress_bar(tmp_path, monkeypatch):
+    import flowgrpo.held_out
+
+    trainer = make(tmp_path, "trainer.iterations=1", "trainer.checkpoint_every=0", "trainer.eval_num_prompts=3")
+    monkeypatch.setattr(flowgrpo.held_out, "tqdm", _Bar)
+    _Bar.made = []
+    result = trainer.evaluate()
+    [bar] = _Bar.made
+    assert bar.kwargs["total"] == len(trainer.eval_jobs()) == 3 and bar.n == 3 and bar.closed
+    assert bar.kwargs["disable"] is None and bar.kwargs["leave"] is False  # off when not a terminal; then it goes
+    assert set(result) >= {"eval/reward"}
+
+
+def test_the_iteration_bar_leaves_evaluations_out_of_its_time(tmp_path, monkeypatch):
+    """The iteration bar's elapsed time and s/it count the iterations, not the held-out evaluations between them (its
+    clock is moved on by each evaluation's time); ``time/iteration`` never counted them."""
+    import time
+
+    import tqdm.auto
+
+    trainer = make(tmp_path, "trainer.iterations=2", "trainer.checkpoint_every=0", "trainer.eval_every=1")
+    wait = 1.5
+
+    def slow_evaluation(tag="eval"):
+        time.sleep(wait)
+        return {}
+
+    trainer.evaluate = slow_evaluation
+    seen = {}
+
+    class Bar(tqdm.auto.tqdm):
+        def close(self):
+            if not self.disable and "elapsed" not in seen:
+                seen["elapsed"] = self.format_dict["elapsed"]
+            super().close()
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    trainer.fit()
+    iterations = sum(h["time/iteration"] for h in trainer.history)
+    assert seen["elapsed"] < iterations + 1.0 < iterations + 2 * wait  # two evaluations (after 1, and at the end)
+
