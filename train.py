@@ -4,6 +4,10 @@
     python train.py reward=geneval sampler=mix_sde
     python train.py --cfg job algo=grpo              # print the composed config and check it, without running
     accelerate launch --config_file conf/accelerate/multi_gpu.yaml train.py model=sd35_medium
+
+A mistake in the command (an unknown key or option, a bad value, a missing path or package, a run dir that holds
+another run) ends it with one message and exit status 1 (flowgrpo.errors); FLOWGRPO_DEBUG=1 or HYDRA_FULL_ERROR=1
+shows the traceback instead.
 """
 
 import sys
@@ -13,6 +17,7 @@ import hydra
 from omegaconf import DictConfig
 
 import flowgrpo.config  # noqa: F401  (registers the schemas in Hydra's ConfigStore before composition)
+from flowgrpo.errors import reported
 from flowgrpo.launch import check_launch, end_launched_process
 from flowgrpo.runlog import discard_hydra_dir
 
@@ -21,15 +26,16 @@ CONF = Path(__file__).resolve().parent / "conf"
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    try:
-        check_launch()  # a multi-process launch that started one process: refuse it with the fix
-        flowgrpo.config.validate(cfg)  # choices, ranges, cross-key checks: fail before the heavy imports
-    except BaseException:
-        discard_hydra_dir()  # nothing was run: leave no outputs/<date>/<time> behind
-        raise
-    from flowgrpo.cli import main as run  # torch + diffusers: imported after parsing, so --help / --cfg stay fast
+    with reported():  # a user error: its message alone; any other error: Hydra's report, as always
+        try:
+            check_launch()  # a multi-process launch that started one process: refuse it with the fix
+            flowgrpo.config.validate(cfg)  # choices, ranges, cross-key checks: fail before the heavy imports
+        except BaseException:
+            discard_hydra_dir()  # nothing was run: leave no outputs/<date>/<time> behind
+            raise
+        from flowgrpo.cli import main as run  # torch + diffusers: imported after parsing, so --help / --cfg stay fast
 
-    run(cfg)
+        run(cfg)
 
 
 def check_printed_config(argv: list[str]) -> int:
@@ -57,7 +63,8 @@ def check_printed_config(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    main()  # a failure leaves through Hydra (exit 1) before the lines below
+    with reported():  # what Hydra finds while composing (an unknown key or option): one message, with a suggestion
+        main()  # a failure leaves with exit status 1 before the lines below
     if any(a in ("--cfg", "-c") or a.startswith("--cfg=") for a in sys.argv[1:]):
         sys.exit(check_printed_config(sys.argv[1:]))
     end_launched_process()  # a finished process of a multi-process launch exits 0 without the interpreter teardown

@@ -55,6 +55,8 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
+from .errors import UserError
+
 __all__ = [
     "CheckpointError",
     "CheckpointManager",
@@ -219,7 +221,7 @@ def _free_space(path: Path) -> str:
         return "free space unknown"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used (unreadable, incomplete, corrupt), or no intact one to resume from; the
     message names the checkpoints and what is wrong with each."""
 

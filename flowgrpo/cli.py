@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from .jsonio import dumps
 from .checkpoint import atomic_write_text
 from .config import steps_line, validate
+from .errors import mark_set_up
 from .runlog import (LOG_NAME, close_file_logs, code_version, discard_hydra_dir, discard_run_dir, holds_nothing, log,
                      remove_empty_dirs, run_log)
 
@@ -44,7 +45,8 @@ def _make_dir(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise OSError(err.errno, f"cannot create the output directory {out}: {err.strerror or err}") from err
+        raise OSError(err.errno, f"cannot create the output directory {out}: {err.strerror or err}; set "
+                                 "trainer.output_dir to a directory that can be made") from err
 
 
 def _adopt_hydra_dir(out: Path, main: bool) -> None:
@@ -129,7 +131,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         accelerator = Accelerator(mixed_precision=cfg.trainer.mixed_precision, cpu=not torch.cuda.is_available())
         check_config(cfg, accelerator.num_processes)  # batch arithmetic, reward ↔ model, sizes: before any run dir
         out, fresh = _shared_output_dir(cfg, accelerator)
-    except BaseException:
+    except BaseException as err:
+        mark_set_up(err)
         discard_hydra_dir()
         if accelerator is not None:  # the process group too (see the end of this function)
             accelerator.end_training()
@@ -167,9 +170,11 @@ def main(cfg: DictConfig) -> dict[str, Any]:
                     raise OSError(err.errno, f"could not write {path}: {err.strerror or err}") from err
                 log.info(f"summary: {path}")
         finished = True
-    except BaseException:
-        if not set_up and fresh and main_process:  # a set-up failure (a prompt file, the model, memory): no half run
-            discard_run_dir(out)                  # dir is left behind; the error itself is on the console
+    except BaseException as err:
+        if not set_up:
+            mark_set_up(err)
+            if fresh and main_process:  # a set-up failure (a prompt file, the model, memory): no half run dir is
+                discard_run_dir(out)    # left behind; the error itself is on the console
         raise
     finally:
         # a process that exits with its process group alive can abort in the backend's teardown (gloo: SIGABRT,

@@ -34,14 +34,20 @@ from omegaconf import OmegaConf
 from .jsonio import dumps
 from .checkpoint import (CheckpointManager, atomic_write_text, capture_rng_state, find_runs, restore_rng_state,
                          resume_config_changes, save_lora_weights, save_transformer_weights)
+from .errors import UserError
 from .finetune import (gathers_state, load_optimizer_state, load_trainable_state, optimizer_state, torch_optimizer,
                        trainable_names, trainable_state)
 from .runlog import log
 
-__all__ = ["RunState"]
+__all__ = ["RunState", "ResumeRefused"]
 
 # Hydra's default run dir, <root>/YYYY-MM-DD/HH-MM-SS (conf/train.yaml): trainer.resume=auto searches <root>.
 _RUN_DAY, _RUN_TIME = re.compile(r"\d{4}-\d{2}-\d{2}"), re.compile(r"\d{2}-\d{2}-\d{2}")
+
+
+class ResumeRefused(UserError, ValueError):
+    """A resume refused because this run's config would change what the checkpoint's run computes (or lacks state
+    this run needs); the message lists why and the ways on."""
 
 
 def _cpu_copy(obj):
@@ -92,12 +98,12 @@ class RunState:
         self.algorithm.load_state_dict(state["algorithm"])
         if self.aggregator is not None:
             if state.get("aggregator") is None:
-                raise ValueError("the checkpoint has no reward-aggregator state but this run sets "
-                                 f"reward.aggregate.name={self.aggregator.name!r}")
+                raise ResumeRefused("the checkpoint has no reward-aggregator state but this run sets "
+                                    f"reward.aggregate.name={self.aggregator.name!r}")
             self.aggregator.load_state_dict(state["aggregator"])
         if self.curriculum is not None:
             if state.get("curriculum") is None:
-                raise ValueError("the checkpoint has no CGPO curriculum state but this run sets data.sampling=cgpo")
+                raise ResumeRefused("the checkpoint has no CGPO curriculum state but this run sets data.sampling=cgpo")
             self.curriculum.load_state_dict(state["curriculum"])
         restore_rng_state(state["rng"])
         self.iteration = state["iteration"]
@@ -221,7 +227,7 @@ class RunState:
         if self.cfg.trainer.resume_force:
             self._print(f"trainer.resume_force=true: resuming {path} with a config that changes the run:\n  {listing}")
             return
-        raise ValueError(f"trainer.resume: {path} was written by a run with another config, and resuming it with "
+        raise ResumeRefused(f"trainer.resume: {path} was written by a run with another config, and resuming it with "
                          f"this one would change what that run computes:\n  {listing}\nResume with the checkpoint's "
                          "settings, start a fresh run (another output dir, trainer.resume=null), or set "
                          "trainer.resume_force=true to resume anyway.")
