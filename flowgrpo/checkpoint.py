@@ -58,6 +58,7 @@ import torch
 from .errors import UserError
 
 __all__ = [
+    "asks_resume",
     "CheckpointError",
     "CheckpointManager",
     "CheckpointWriteError",
@@ -224,6 +225,12 @@ def _free_space(path: Path) -> str:
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used (unreadable, incomplete, corrupt), or no intact one to resume from; the
     message names the checkpoints and what is wrong with each."""
+
+
+def asks_resume(resume: str | None) -> bool:
+    """Whether ``trainer.resume`` asks for a resume (``auto`` or a path); null, empty, ``none`` and ``null`` start
+    fresh."""
+    return resume is not None and str(resume).strip().lower() not in ("", "none", "null")
 
 
 class CheckpointWriteError(OSError):
@@ -765,8 +772,9 @@ class GracefulStop:
 #: or an underscore, as a prefix.
 RESUME_HARMLESS = ("trainer.iterations", "trainer.eval_", "trainer.gallery_", "trainer.log_every",
                    "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.resume", "trainer.resume_",
-                   "trainer.output_dir", "trainer.rollout_batch_size", "trainer.max_skipped_updates",
-                   "trainer.max_update_ratio", "logger.", "sampler.eval_num_steps", "data.test_file")
+                   "trainer.output_dir", "trainer.overwrite", "trainer.rollout_batch_size",
+                   "trainer.max_skipped_updates", "trainer.max_update_ratio", "logger.", "sampler.eval_num_steps",
+                   "data.test_file")
 
 
 def _flat(tree, prefix: str = "") -> dict:

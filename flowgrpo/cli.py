@@ -1,6 +1,9 @@
 """What ``python train.py`` runs: choose the run dir on rank 0, build the :class:`~flowgrpo.trainer.Trainer`,
 train, and leave a summary (JSON + reward curves) in the run dir. What it reports, and the traceback of a crash,
-also goes to ``train.log`` there (:mod:`flowgrpo.runlog`)."""
+also goes to ``train.log`` there (:mod:`flowgrpo.runlog`).
+
+A run dir holds one run: a fresh run (no ``trainer.resume``) refuses a dir that already holds one before writing
+anything, unless ``trainer.overwrite=true``, which removes that run's files first."""
 
 from __future__ import annotations
 
@@ -14,11 +17,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .jsonio import dumps
-from .checkpoint import atomic_write_text
+from .checkpoint import asks_resume, atomic_write_text
 from .config import steps_line, validate
 from .errors import mark_set_up
-from .runlog import (LOG_NAME, close_file_logs, code_version, discard_hydra_dir, discard_run_dir, holds_nothing, log,
-                     remove_empty_dirs, run_log)
+from .runlog import (LOG_NAME, RunDirInUse, clear_run, close_file_logs, code_version, discard_hydra_dir,
+                     discard_run_dir, earlier_run, holds_nothing, log, remove_empty_dirs, run_log)
 
 __all__ = ["main", "resolve_output_dir"]
 
@@ -49,52 +52,100 @@ def _make_dir(out: Path) -> None:
                                  "trainer.output_dir to a directory that can be made") from err
 
 
-def _adopt_hydra_dir(out: Path, main: bool) -> None:
-    """Hydra made its own run dir before this code ran (``.hydra/`` and an empty ``train.log`` it keeps open). Its
-    log file is closed: :func:`~flowgrpo.runlog.run_log` writes ``train.log``, once, on the main process. When that
-    dir is not ``out`` (``trainer.output_dir`` was given, or another process chose), its ``.hydra/`` moves into
-    ``out`` (main process) and the dir and its empty parents are removed, so that no stray ``outputs/...`` is left.
-    A dir holding anything else is left as it is."""
+def _dir_key(cfg: DictConfig) -> str:
+    """The key that chose the run dir, for messages."""
+    return "trainer.output_dir" if cfg.trainer.output_dir is not None else "hydra.run.dir"
+
+
+def _claim(path: Path, cfg: DictConfig) -> list[str]:
+    """Whether this run may write into ``path``: a resume (``trainer.resume``) continues whatever is there; a fresh
+    run needs a dir that holds no run (:func:`~flowgrpo.runlog.earlier_run`), or ``trainer.overwrite=true``, which
+    removes the earlier run's files first, so that the dir never mixes two runs. Returns what was removed.
+
+    Raises:
+        RunDirInUse: naming the earlier run's files and the ways on.
+    """
+    earlier = earlier_run(path)
+    if not earlier or asks_resume(cfg.trainer.resume):
+        return []
+    if cfg.trainer.overwrite:
+        return clear_run(path)
+    key = _dir_key(cfg)
+    resume = ("  continue it:     trainer.resume=auto\n" if "checkpoints/" in earlier else
+              "  (it has no checkpoint to continue from)\n")
+    raise RunDirInUse(
+        f"{key}={path} already holds a run ({', '.join(earlier)}): a fresh start (no trainer.resume) would "
+        f"overwrite it, so nothing was written. Either\n{resume}"
+        f"  start a new run: {key}=<a new directory> (or leave {key} out: a new outputs/DATE/TIME)\n"
+        "  replace it:      trainer.overwrite=true (deletes its files first)")
+
+
+def _hydra_dir() -> Path | None:
     from hydra.core.hydra_config import HydraConfig
 
-    if not HydraConfig.initialized():
-        return
-    hydra_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
-    close_file_logs(hydra_dir)  # run_log writes train.log (one writer, and only on the main process)
-    if hydra_dir == out.resolve() or not hydra_dir.is_dir():
+    return Path(HydraConfig.get().runtime.output_dir).resolve() if HydraConfig.initialized() else None
+
+
+def _adopt_hydra_dir(out: Path) -> None:
+    """Hydra made its own run dir before this code ran (with an empty ``train.log`` it kept open until the run
+    started). When that dir is not ``out`` (``trainer.output_dir`` was given, or another process chose), it and its
+    empty parents are removed, so that no stray ``outputs/...`` is left. A dir holding anything else is left as
+    it is."""
+    hydra_dir = _hydra_dir()
+    if hydra_dir is None or hydra_dir == out.resolve() or not hydra_dir.is_dir():
         return
     try:
         log_file, configs = hydra_dir / LOG_NAME, hydra_dir / ".hydra"
         if log_file.is_file() and log_file.stat().st_size == 0:
             log_file.unlink()
-        if configs.is_dir():
-            if main:
-                shutil.rmtree(out / ".hydra", ignore_errors=True)
-                shutil.move(str(configs), str(out / ".hydra"))
-            elif not any(p.is_dir() for p in configs.iterdir()):
-                shutil.rmtree(configs)
+        if configs.is_dir() and not any(p.is_dir() for p in configs.iterdir()):  # hydra.output_subdir set again
+            shutil.rmtree(configs)  # the main process writes the record into out (_record_command)
         remove_empty_dirs(hydra_dir)
     except OSError as err:  # tidying up: never worth the run
         warnings.warn(f"could not remove Hydra's run dir {hydra_dir}: {err.strerror or err}", RuntimeWarning,
                       stacklevel=2)
 
 
-def _shared_output_dir(cfg: DictConfig, accelerator) -> tuple[Path, bool]:
+def _record_command(cfg: DictConfig, out: Path) -> None:
+    """Hydra's record of the command in ``out/.hydra/``: the config as composed (``config.yaml``), Hydra's settings
+    (``hydra.yaml``) and the command line's overrides (``overrides.yaml``), as Hydra writes them. conf/train.yaml sets
+    ``hydra.output_subdir: null`` so that Hydra writes nothing into a run dir before this run has claimed it
+    (:func:`_claim`); this writes the same files once it has."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    hydra = HydraConfig.instance().cfg  # {"hydra": ...}: what Hydra saves as hydra.yaml
+    (out / ".hydra").mkdir(exist_ok=True)
+    for name, node in (("config.yaml", cfg), ("hydra.yaml", hydra), ("overrides.yaml", hydra.hydra.overrides.task)):
+        atomic_write_text(out / ".hydra" / name, OmegaConf.to_yaml(node))
+
+
+def _shared_output_dir(cfg: DictConfig, accelerator) -> tuple[Path, bool, list[str]]:
     """Every process composes its own config and would pick its own timestamped Hydra dir: rank 0 chooses, the
-    others receive its choice. Also whether the dir held nothing of a run before (:func:`~flowgrpo.runlog.holds_nothing`:
-    then a failure while the run is set up removes it)."""
+    others receive its choice. Rank 0 also decides whether this run may use it (:func:`_claim`); a refusal is raised
+    on every process, before anything is written. Returns the dir, whether it holds nothing of a run (then a failure
+    while the run is set up removes it, :func:`~flowgrpo.runlog.holds_nothing`) and what ``trainer.overwrite=true``
+    removed."""
     from accelerate.utils import broadcast_object_list
 
-    chosen = [None, None]
+    chosen = [None, None, None, None]
     if accelerator.is_main_process:
         path = _output_path(cfg)
-        chosen = [str(path), holds_nothing(path)]
-        _make_dir(path)
+        try:
+            removed, refused = _claim(path, cfg), None
+        except RunDirInUse as err:
+            removed, refused = [], str(err)
+        chosen = [str(path), holds_nothing(path), removed, refused]
+        if refused is None:
+            _make_dir(path)
     if accelerator.num_processes > 1:
         broadcast_object_list(chosen, from_process=0)
+    if chosen[3] is not None:
+        raise RunDirInUse(chosen[3])
     out = Path(chosen[0])
     _make_dir(out)
-    return out, bool(chosen[1])
+    return out, bool(chosen[1]), list(chosen[2])
 
 
 def plot_curves(history: list[dict], evals: list[dict], path: Path) -> Path | None:
@@ -121,6 +172,13 @@ def plot_curves(history: list[dict], evals: list[dict], path: Path) -> Path | No
 
 def main(cfg: DictConfig) -> dict[str, Any]:
     """Train with ``cfg``; returns the summary (also written to ``summary.json`` in the run dir)."""
+    hydra_dir = _hydra_dir()
+    if hydra_dir is not None:  # Hydra's train.log: run_log writes it (one writer, and only on the main process)
+        close_file_logs(hydra_dir)
+    return _train(cfg)
+
+
+def _train(cfg: DictConfig) -> dict[str, Any]:
     accelerator = None
     try:
         validate(cfg)
@@ -130,7 +188,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
         accelerator = Accelerator(mixed_precision=cfg.trainer.mixed_precision, cpu=not torch.cuda.is_available())
         check_config(cfg, accelerator.num_processes)  # batch arithmetic, reward ↔ model, sizes: before any run dir
-        out, fresh = _shared_output_dir(cfg, accelerator)
+        out, fresh, removed = _shared_output_dir(cfg, accelerator)  # may refuse: nothing written yet
     except BaseException as err:
         mark_set_up(err)
         discard_hydra_dir()
@@ -140,12 +198,15 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     from .trainer import Trainer
 
     main_process = accelerator.is_main_process
-    _adopt_hydra_dir(out, main_process)
+    _adopt_hydra_dir(out)
     code = code_version() if main_process else None  # the code as it is when the run starts
     set_up = finished = False
     try:
         with run_log(out, main=main_process):
             if main_process:
+                if removed:
+                    log.info(f"trainer.overwrite=true: removed the earlier run's {', '.join(removed)} from {out}")
+                _record_command(cfg, out)
                 OmegaConf.save(cfg, out / "config.yaml", resolve=True)
                 if code:
                     log.info(f"code: commit {code['commit']}{' with uncommitted changes' if code['changes'] else ''}")

@@ -32,8 +32,8 @@ import torch
 from omegaconf import OmegaConf
 
 from .jsonio import dumps
-from .checkpoint import (CheckpointManager, atomic_write_text, capture_rng_state, find_runs, restore_rng_state,
-                         resume_config_changes, save_lora_weights, save_transformer_weights)
+from .checkpoint import (CheckpointManager, asks_resume, atomic_write_text, capture_rng_state, find_runs,
+                         restore_rng_state, resume_config_changes, save_lora_weights, save_transformer_weights)
 from .errors import UserError
 from .finetune import (gathers_state, load_optimizer_state, load_trainable_state, optimizer_state, torch_optimizer,
                        trainable_names, trainable_state)
@@ -198,7 +198,7 @@ class RunState:
         # self.params are the sharded parameters (re-read after accelerate.prepare), so clipping and the EMA see them.
         gathers_state(self.acc)
         resume = self.cfg.trainer.resume
-        if resume is None or str(resume).strip().lower() in ("", "none", "null"):
+        if not asks_resume(resume):
             return False
         if str(resume).strip().lower() == "auto":
             candidates, searched = self._auto_candidates()
@@ -316,7 +316,8 @@ class RunState:
             kept = f"no checkpoint ({note})"
         line = (f"error in iteration {failed} ({phase}): {type(err).__name__}: {err}\n{kept}\n"
                 + (f"resume with trainer.resume={self.out}" if resume_from else
-                   "nothing to resume from: run again once the error is fixed"))
+                   "nothing to resume from: run again once the error is fixed (in this run dir: with "
+                   "trainer.overwrite=true)"))
         evals = done["evals"]
         summary = {"iterations": done["iteration"], "updates": done["updates"],
                    "skipped_updates": done["skipped_updates"], "checkpoint": str(checkpoint) if checkpoint else None,

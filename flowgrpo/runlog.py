@@ -19,9 +19,16 @@ import warnings
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["log", "run_log", "bar_paused", "LOG_NAME"]
+from .errors import UserError
+
+__all__ = ["log", "run_log", "bar_paused", "LOG_NAME", "RUN_ENTRIES", "RunDirInUse", "earlier_run", "clear_run"]
 
 LOG_NAME = "train.log"
+#: what a run writes into its run dir (flowgrpo.cli, the trainer, the galleries, the file-based loggers): a dir holding
+#: any of them holds a run; trainer.overwrite=true removes them (and Hydra's record of the command, .hydra/) and
+#: nothing else
+RUN_ENTRIES = ("config.yaml", LOG_NAME, "metrics.jsonl", "summary.json", "curves.png", "checkpoints", "gallery",
+               "wandb", "tensorboard", "mlruns", ".aim")
 log = logging.getLogger("flowgrpo")
 _warnings_log = logging.getLogger("py.warnings")  # the logger logging.captureWarnings writes to
 _FILE_ONLY = "flowgrpo_file_only"
@@ -208,6 +215,43 @@ def holds_nothing(run_dir: Path) -> bool:
         return True
     log_file = run_dir / LOG_NAME
     return not any(p.name != ".hydra" and not (p == log_file and p.stat().st_size == 0) for p in run_dir.iterdir())
+
+
+class RunDirInUse(UserError):
+    """A fresh run (no ``trainer.resume``) was pointed at a run dir that holds another run; the message names the
+    ways on (resume it, another dir, ``trainer.overwrite=true``)."""
+
+
+def earlier_run(run_dir: Path) -> list[str]:
+    """What of an earlier run ``run_dir`` holds (entries of :data:`RUN_ENTRIES`, dirs with a trailing ``/``); empty
+    when it holds none. An empty ``train.log`` is not one: Hydra opens it before the run starts."""
+    if not run_dir.is_dir():
+        return []
+    found = []
+    for name in RUN_ENTRIES:
+        path = run_dir / name
+        if path.is_dir():
+            found.append(f"{name}/")
+        elif (path.exists() or path.is_symlink()) and not (name == LOG_NAME and path.is_file()
+                                                           and path.stat().st_size == 0):
+            found.append(name)
+    return found
+
+
+def clear_run(run_dir: Path) -> list[str]:
+    """Remove what an earlier run left in ``run_dir`` (:data:`RUN_ENTRIES` and ``.hydra/``), leaving anything else
+    there; returns what was removed. Hydra's handle on ``train.log`` is closed first."""
+    close_file_logs(run_dir.resolve())
+    removed = []
+    for name in (*RUN_ENTRIES, ".hydra"):
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+            removed.append(f"{name}/")
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+            removed.append(name)
+    return removed
 
 
 def discard_run_dir(run_dir: Path) -> None:

@@ -53,8 +53,9 @@ def run(arm: str, seed: int, runs: Path, extra: list[str], metrics: list[str], *
         resume = (out / "checkpoints" / "latest").is_file()
         spent = json.loads(clock.read_text())["seconds"] if resume and clock.is_file() else 0.0
         start = time.time()
+        # with no checkpoint to continue from, the run starts over in its dir (a fresh run refuses a dir holding one)
         cmd = [sys.executable, str(REPO / "train.py"), *command_overrides(arm, preset, extra), f"trainer.seed={seed}",
-               f"hydra.run.dir={out}", *([f"trainer.resume={out}"] if resume else [])]
+               f"hydra.run.dir={out}", f"trainer.resume={out}" if resume else "trainer.overwrite=true"]
         try:
             with open(runs / f"{arm}_seed{seed}.log", "a" if resume else "w") as log:
                 returncode = _run_forwarding_signals(cmd, log)

@@ -1,24 +1,134 @@
-"""What a person sees when a run cannot start: a user error — an unknown key or option, a bad value, a missing path —
+"""What a person sees when a run cannot start: a run dir that holds another run is refused before anything is written
+(``trainer.overwrite=true`` replaces it), and a user error — an unknown key or option, a bad value, a missing path —
 is one message without a traceback (with a suggestion for a misspelt key or option), while a bug keeps its traceback.
 docs/reliability.md lists it."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import runpy
+import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from hydra import compose, initialize_config_dir
 
 from flowgrpo import cli
 from flowgrpo.config import ConfigError
 from flowgrpo.errors import did_you_mean, mark_set_up, user_message
+from flowgrpo.runlog import RUN_ENTRIES, RunDirInUse
 
-from test_faults import BASE  # tests/test_faults.py: a tiny tiny_sd3 run writing into tmp_path
+from test_faults import BASE, CONF  # tests/test_faults.py: a tiny tiny_sd3 run writing into tmp_path
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = [*BASE, "trainer.iterations=1", "trainer.eval_at_end=false", "trainer.gallery_every=1"]
+
+
+def _compose(*overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def _earlier_run(run: Path) -> dict[str, str]:
+    """A run dir as a finished run leaves it (its files' names, not their contents, are what a new run looks at);
+    returns every file's sha256."""
+    for rel, text in {"config.yaml": "trainer: {}\n", "train.log": "the earlier run's log\n",
+                      "metrics.jsonl": '{"iteration": 1}\n', "summary.json": '{"iterations": 5}\n',
+                      "curves.png": "png", ".hydra/config.yaml": "the earlier command\n",
+                      ".hydra/overrides.yaml": "- trainer.iterations=5\n", "checkpoints/latest": "checkpoint-000005\n",
+                      "checkpoints/checkpoint-000005/state.pt": "state", "gallery/train/step-000005.png": "grid",
+                      "notes.txt": "the user's own notes\n"}.items():
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_text(text)
+    return _digests(run)
+
+
+def _digests(run: Path) -> dict[str, str]:
+    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(run.rglob("*"))
+            if p.is_file()}
+
+
+def test_a_fresh_run_refuses_a_hydra_run_dir_that_holds_a_run_and_leaves_it_byte_identical(tmp_path):
+    """``python train.py hydra.run.dir=<a run>`` (no trainer.resume): one message naming the ways on, exit status 1,
+    no traceback, and every file of the earlier run as it was (Hydra's own record of the command, .hydra/, too)."""
+    work, run = tmp_path / "cwd", tmp_path / "run"
+    work.mkdir()
+    before = _earlier_run(run)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *QUICK, f"hydra.run.dir={run}"], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"error: hydra.run.dir={run} already holds a run (config.yaml, train.log, metrics.jsonl" in proc.stderr
+    assert "trainer.resume=auto" in proc.stderr and "trainer.overwrite=true" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("error:") == 1
+    assert _digests(run) == before  # byte-identical, and nothing added
+    assert list(work.iterdir()) == []  # no outputs/DATE/TIME either
+
+
+def test_a_fresh_run_refuses_an_output_dir_that_holds_a_run(tmp_path):
+    run = tmp_path / "run"
+    before = _earlier_run(run)
+    with pytest.raises(RunDirInUse, match=r"trainer\.output_dir=.*already holds a run") as info:
+        cli.main(_compose(*QUICK, f"trainer.output_dir={run}"))
+    assert "trainer.resume=auto" in str(info.value) and "trainer.overwrite=true" in str(info.value)
+    assert _digests(run) == before
+    # a dir holding only files of the user's is no run: tests/test_runlog.py sets a run up beside them
+
+
+def test_overwrite_replaces_the_earlier_run_and_a_resume_continues_it(tmp_path):
+    """``trainer.overwrite=true`` removes the earlier run's files first (the dir never mixes two runs: no gallery step
+    or checkpoint of the earlier run is left) and nothing else; every entry a run writes is one it would remove; a
+    resume into a dir holding a run is never refused."""
+    run = tmp_path / "run"
+    _earlier_run(run)
+    summary = cli.main(_compose(*QUICK, f"trainer.output_dir={run}", "trainer.overwrite=true"))
+    assert summary["iterations"] == 1
+    assert (run / "notes.txt").read_text() == "the user's own notes\n"
+    assert not (run / "gallery" / "train" / "step-000005.png").exists()
+    assert [p.name for p in (run / "checkpoints").glob("checkpoint-*")] == ["checkpoint-000001"]
+    assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+    log = (run / "train.log").read_text()
+    assert "the earlier run's log" not in log and "trainer.overwrite=true: removed the earlier run's" in log
+    assert not (run / ".hydra").exists()  # the earlier command's record (a run started from Python writes none)
+    assert {p.name for p in run.iterdir()} <= {*RUN_ENTRIES, ".hydra", "notes.txt"}
+    resumed = cli.main(_compose(*QUICK, f"trainer.output_dir={run}", "trainer.resume=auto", "trainer.iterations=2"))
+    assert resumed["iterations"] == 2
+
+
+def test_the_run_dir_is_refused_on_every_process_by_the_main_process_decision(tmp_path, monkeypatch):
+    """Under a multi-process launch only rank 0 looks at the dir; the others receive its decision and raise the same
+    refusal (instead of waiting in a collective that rank 0 never reaches), writing nothing."""
+    import accelerate.utils
+
+    run = tmp_path / "run"
+    before = _earlier_run(run)
+    cfg = _compose(*QUICK, f"trainer.output_dir={run}")
+    sent = {}
+
+    def broadcast(objects, from_process=0):
+        if sent:  # a process other than the main one receives what the main process sent
+            objects[:] = sent["objects"]
+        else:
+            sent["objects"] = list(objects)
+        return objects
+
+    monkeypatch.setattr(accelerate.utils, "broadcast_object_list", broadcast)
+    main = SimpleNamespace(is_main_process=True, num_processes=2)
+    with pytest.raises(RunDirInUse) as on_main:
+        cli._shared_output_dir(cfg, main)
+    other = SimpleNamespace(is_main_process=False, num_processes=2)
+    with pytest.raises(RunDirInUse) as on_other:
+        cli._shared_output_dir(cfg, other)
+    assert str(on_other.value) == str(on_main.value)
+    assert _digests(run) == before
+
+
+# ------------------------------------------------------------------------------------------- errors for people
 
 
 def _train_py(monkeypatch, capsys, *overrides) -> tuple[int | str | None, str]:
