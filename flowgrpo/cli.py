@@ -3,15 +3,20 @@ train, and leave a summary (JSON + reward curves) in the run dir. What it report
 also goes to ``train.log`` there (:mod:`flowgrpo.runlog`).
 
 A run dir holds one run: a fresh run (no ``trainer.resume``) refuses a dir that already holds one before writing
-anything, unless ``trainer.overwrite=true``, which removes that run's files first."""
+anything, unless ``trainer.overwrite=true``, which removes that run's files first. The libraries' loading bars and
+INFO lines are off during the run (``FLOWGRPO_DEBUG=1`` shows them)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import math
+import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -19,11 +24,13 @@ from omegaconf import DictConfig, OmegaConf
 from .jsonio import dumps
 from .checkpoint import asks_resume, atomic_write_text
 from .config import steps_line, validate
-from .errors import mark_set_up
+from .errors import DEBUG_ENV, mark_set_up
 from .runlog import (LOG_NAME, RunDirInUse, clear_run, close_file_logs, code_version, discard_hydra_dir,
                      discard_run_dir, earlier_run, holds_nothing, log, remove_empty_dirs, run_log)
 
-__all__ = ["main", "resolve_output_dir"]
+__all__ = ["main", "resolve_output_dir", "plot_curves", "steps_cost_line"]
+
+_CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def resolve_output_dir(cfg: DictConfig) -> Path:
@@ -148,8 +155,9 @@ def _shared_output_dir(cfg: DictConfig, accelerator) -> tuple[Path, bool, list[s
     return out, bool(chosen[1]), list(chosen[2])
 
 
-def plot_curves(history: list[dict], evals: list[dict], path: Path) -> Path | None:
-    """Training reward per iteration and held-out reward at each evaluation, one PNG."""
+def plot_curves(history: list[dict], evals: list[dict], path: Path, per_row: int = 4) -> Path | None:
+    """Training reward per iteration and each held-out value at each evaluation, one PNG: a grid of at most
+    ``per_row`` panels a row, its rows as even as they can be (7 panels: 4 + 3)."""
     try:
         import matplotlib
 
@@ -157,17 +165,71 @@ def plot_curves(history: list[dict], evals: list[dict], path: Path) -> Path | No
         import matplotlib.pyplot as plt
     except ImportError:  # plotting is a convenience; the numbers are in summary.json
         return None
-    keys = sorted({k for e in evals for k in e if k.startswith("eval/") and k.count("/") == 1})
-    fig, axes = plt.subplots(1, 1 + len(keys), figsize=(4 * (1 + len(keys)), 3), squeeze=False)
-    axes[0, 0].plot([h["iteration"] for h in history], [h["reward/mean"] for h in history])
-    axes[0, 0].set(title="train reward", xlabel="iteration")
-    for ax, key in zip(axes[0, 1:], keys):
+    keys = sorted({k for e in evals for k in e if k.startswith("eval/") and k.count("/") == 1},
+                  key=lambda k: (k != "eval/reward", k))  # the held-out reward beside the training reward
+    panels = 1 + len(keys)
+    rows = math.ceil(panels / per_row)
+    cols = math.ceil(panels / rows)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+    axes = axes.flatten()
+    axes[0].plot([h["iteration"] for h in history], [h["reward/mean"] for h in history])
+    axes[0].set(title="train reward", xlabel="iteration")
+    for ax, key in zip(axes[1:], keys):
         ax.plot([e["iteration"] for e in evals if key in e], [e[key] for e in evals if key in e], marker="o")
         ax.set(title=key, xlabel="iteration")
+    for ax in axes[panels:]:
+        ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def steps_cost_line(cfg: DictConfig) -> str | None:
+    """A line for the start of a run whose sampler samples other step counts than the model's grid (``sampler=mix_sde``
+    states 25 where the embedded models' grid is 10): a rollout, or a held-out sample, then costs that ratio of the
+    model's velocity calls. None when both counts are the model's."""
+    option = cfg.sampler.name
+    with contextlib.suppress(Exception):
+        from hydra.core.hydra_config import HydraConfig
+
+        option = HydraConfig.get().runtime.choices.get("sampler") or option
+    stated = {}
+    with contextlib.suppress(OSError, TypeError, ValueError):
+        stated = OmegaConf.to_container(OmegaConf.load(_CONF / "sampler" / f"{option}.yaml"))
+    parts = []
+    for key, what in (("num_steps", "per rollout"), ("eval_num_steps", "per held-out sample")):
+        n, grid = int(cfg.sampler[key]), int(cfg.model[key])
+        if n != grid:
+            source = f"sampler={option}" if stated.get(key) == n else f"sampler.{key}={n}"
+            parts.append(f"{source} samples {n} steps where the model's grid has {grid} (model.{key}): about "
+                         f"{n / grid:.1f}x its velocity calls {what}")
+    return "steps: " + "; ".join(parts) if parts else None
+
+
+@contextlib.contextmanager
+def _quiet_libraries() -> Iterator[None]:
+    """The run's console and ``train.log`` show what the run says: the libraries' INFO lines (matplotlib's, ...,
+    which reach the root logger Hydra prints and ``train.log`` copies) and diffusers' and transformers' loading bars
+    are off until the run ends, unless ``FLOWGRPO_DEBUG=1``. Warnings still show."""
+    if os.environ.get(DEBUG_ENV, "").strip() == "1":
+        yield
+        return
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    root = logging.getLogger()
+    level = root.level
+    bars = [m for m in (diffusers_logging, transformers_logging) if m.is_progress_bar_enabled()]
+    root.setLevel(max(level, logging.WARNING))
+    for module in bars:
+        module.disable_progress_bar()
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+        for module in bars:
+            module.enable_progress_bar()
 
 
 def main(cfg: DictConfig) -> dict[str, Any]:
@@ -175,7 +237,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     hydra_dir = _hydra_dir()
     if hydra_dir is not None:  # Hydra's train.log: run_log writes it (one writer, and only on the main process)
         close_file_logs(hydra_dir)
-    return _train(cfg)
+    with _quiet_libraries():
+        return _train(cfg)
 
 
 def _train(cfg: DictConfig) -> dict[str, Any]:
@@ -211,6 +274,9 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                 if code:
                     log.info(f"code: commit {code['commit']}{' with uncommitted changes' if code['changes'] else ''}")
                 log.info(steps_line(cfg))  # the steps sampled, and whether they are the model's grid or stated
+                cost = steps_cost_line(cfg)
+                if cost:
+                    log.info(cost)
             trainer = Trainer(cfg, out, accelerator=accelerator)
             set_up = True
             summary = trainer.fit()

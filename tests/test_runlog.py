@@ -271,3 +271,16 @@ def test_the_iteration_bar_leaves_evaluations_out_of_its_time(tmp_path, monkeypa
     iterations = sum(h["time/iteration"] for h in trainer.history)
     assert seen["elapsed"] < iterations + 1.0 < iterations + 2 * wait  # two evaluations (after 1, and at the end)
 
+
+def test_the_reward_curves_are_a_grid_of_at_most_four_panels_a_row(tmp_path):
+    from PIL import Image
+
+    history = [{"iteration": i, "reward/mean": 0.1 * i} for i in range(1, 4)]
+    keys = ["reward", "partial", "strict", "exact", "geneval", "geneval_partial"]
+    evals = [{"iteration": i, **{f"eval/{k}": 0.5 + 0.01 * i for k in keys}} for i in (0, 3)]
+    with Image.open(cli.plot_curves(history, evals, tmp_path / "curves.png")) as png:
+        width, height = png.size
+    assert (width, height) == (1600, 600)  # 7 panels: 4 + 3 in two rows of 400 x 300 pixels (was 2800 x 300)
+    with Image.open(cli.plot_curves(history, evals[:1] and [{"iteration": 0, "eval/reward": 0.5}],
+                                    tmp_path / "two.png")) as png:
+        assert png.size == (800, 300)  # 2 panels: one row

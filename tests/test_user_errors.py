@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import runpy
 import subprocess
@@ -208,3 +209,34 @@ def test_user_message_tells_user_errors_from_bugs():
     assert user_message(err) == "model.pretrained='x': no such directory\na note that says more"
     assert did_you_mean("iteration", ["iterations", "seed"]) == "iterations" and did_you_mean("zzz", ["seed"]) is None
 
+
+# ------------------------------------------------------------------------------------------- the start-up banner
+
+
+def test_the_banner_says_when_the_sampler_option_samples_other_steps_than_the_models_grid():
+    line = cli.steps_cost_line(_compose("sampler=mix_sde"))  # the embedded model's grid: 10 and 10
+    assert line == ("steps: sampler=mix_sde samples 25 steps where the model's grid has 10 (model.num_steps): about "
+                    "2.5x its velocity calls per rollout; sampler=mix_sde samples 25 steps where the model's grid has "
+                    "10 (model.eval_num_steps): about 2.5x its velocity calls per held-out sample")
+    assert "sampler.num_steps=20 samples 20 steps" in cli.steps_cost_line(_compose("sampler=mix_sde",
+                                                                                   "sampler.num_steps=20"))
+    assert cli.steps_cost_line(_compose("sampler=sde")) is None  # the model's grid
+
+
+def test_library_info_lines_and_loading_bars_are_off_during_a_run(monkeypatch):
+    from diffusers.utils import logging as diffusers_logging
+
+    root, library = logging.getLogger(), logging.getLogger("matplotlib.font_manager")
+    level = root.level
+    root.setLevel(logging.INFO)  # as Hydra's job logging sets it: a library's INFO line reaches the console
+    try:
+        monkeypatch.delenv("FLOWGRPO_DEBUG", raising=False)
+        with cli._quiet_libraries():
+            assert not library.isEnabledFor(logging.INFO) and library.isEnabledFor(logging.WARNING)
+            assert not diffusers_logging.is_progress_bar_enabled()
+        assert library.isEnabledFor(logging.INFO) and diffusers_logging.is_progress_bar_enabled()
+        monkeypatch.setenv("FLOWGRPO_DEBUG", "1")
+        with cli._quiet_libraries():
+            assert library.isEnabledFor(logging.INFO) and diffusers_logging.is_progress_bar_enabled()
+    finally:
+        root.setLevel(level)
