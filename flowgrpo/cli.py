@@ -290,6 +290,9 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                     warnings.warn(f"could not write {curves}: {cause}; the run goes on", RuntimeWarning, stacklevel=2)
                 summary["output_dir"] = str(out)
                 summary["code"] = code
+                # what a seed's numbers depend on besides the code: one kind of CPU kernels computes the same
+                # numbers whatever the thread count, another instruction set rounds differently
+                summary["cpu_kernels"] = torch.backends.cpu.get_cpu_capability()
                 path = out / "summary.json"
                 try:
                     atomic_write_text(path, dumps(summary, indent=2, default=str))  # NaN / inf: null

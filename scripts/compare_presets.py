@@ -20,6 +20,10 @@ stopped part-way (SIGTERM: its ``summary.json`` says ``stopped``; or killed afte
 newest checkpoint when the command is run again. SIGTERM or Ctrl-C to this script is passed on to the running
 ``train.py``, which checkpoints and stops; the script waits for it.
 
+Each run records the CPU kernels it ran on (``cpu``: ``AVX512``, ``AVX2``, ...): the trainer computes the same numbers
+on one kind of kernels whatever the thread count, but another instruction set rounds differently, and after the first
+updates a run's trajectory parts from the other's (a seed's number is then a different draw, not a reproduction).
+
 Reported per arm: mean ± std over seeds of each ``--metrics`` held-out value at the last evaluation, its change
 from iteration 0, the value at every evaluation, and the wall clock of a run (evaluations included); for each
 ``--train-metrics`` key (a training log value, e.g. a reward term's share of constant groups), its mean over the
@@ -70,9 +74,10 @@ def run(arm: str, seed: int, runs: Path, extra: list[str], metrics: list[str], *
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     seconds = json.loads((out / "wall_clock.json").read_text())["seconds"]
-    code = json.loads(summary.read_text()).get("code")  # the run's own record of its code, where it has one
+    record = json.loads(summary.read_text())
+    code = record.get("code")  # the run's own record of its code, where it has one
     result = {"arm": arm, "seed": seed, "seconds": round(seconds, 1), "dir": str(out),
-              "commit": code_label(code),
+              "commit": code_label(code), "cpu": record.get("cpu_kernels") or cpu_kernels(),
               "evals": [{"iteration": e["iteration"], **{m: e.get(m) for m in metrics}} for e in evals]}
     if train_metrics:
         train = [r for r in rows if not any(k.startswith("eval/") for k in r)]
@@ -80,6 +85,15 @@ def run(arm: str, seed: int, runs: Path, extra: list[str], metrics: list[str], *
                                "series": [[r["iteration"], r[m]] for r in train if r.get(m) is not None]}
                            for m in train_metrics}
     return result
+
+
+def cpu_kernels() -> str:
+    """The CPU kernels torch runs on in this environment, which the runs inherit (``AVX512``, ``AVX2``, ``DEFAULT``;
+    ``ATEN_CPU_CAPABILITY`` lowers them): a run's numbers depend on them, not on the thread count. For runs whose
+    ``summary.json`` predates its own record (``cpu_kernels``). torch is imported here only, when first needed."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def command_overrides(arm: str, preset: str | None, extra: list[str]) -> list[str]:

@@ -405,7 +405,8 @@ def test_compare_presets_reads_finished_runs_and_reports_mean_std_and_curves(tmp
     for (arm, seed), final in finals.items():
         d = runs / f"{arm}_seed{seed}"
         d.mkdir(parents=True)
-        (d / "summary.json").write_text("{}")
+        # the run's own record of its CPU kernels (b's runs predate it: the kernels this process runs on)
+        (d / "summary.json").write_text(json.dumps({"cpu_kernels": "AVX512"} if arm == "a" else {}))
         (d / "wall_clock.json").write_text(json.dumps({"seconds": 60.0 * (seed + 1)}))
         rows = [{"iteration": 0, "eval/strict": 0.2}, {"iteration": 1, "reward/mean": 0.1 + seed},
                 {"iteration": 2, "reward/mean": final}, {"iteration": 2, "eval/strict": final}]
@@ -419,6 +420,10 @@ def test_compare_presets_reads_finished_runs_and_reports_mean_std_and_curves(tmp
                                          {"iteration": 2, "mean": 0.6, "std": round(math.sqrt(0.02), 4), "n": 2}]
     assert a["reward/mean"]["first_quarter"]["mean"] == 0.6
     assert report["runs"][0]["train"]["reward/mean"]["series"] == [[1, 0.1], [2, 0.5]]
+    import torch
+
+    assert {(r["arm"], r["cpu"]) for r in report["runs"]} == {("a", "AVX512"),
+                                                              ("b", torch.backends.cpu.get_cpu_capability())}
     assert a["eval/strict"]["final"] == {"mean": 0.6, "std": round(math.sqrt(0.02), 4), "n": 2}
     assert a["eval/strict"]["gain"]["mean"] == 0.4 and a["seconds"]["mean"] == 90.0 and a["iterations"] == 2
     assert [p["mean"] for p in a["curve"]["eval/strict"]] == [0.2, 0.6]
