@@ -598,8 +598,10 @@ def _cross_checks(cfg: DictConfig, errors: list[str]) -> None:
             errors.append(message)
     r = cfg.get("reward")
     if r is not None and not OmegaConf.is_missing(r, "name") and r.name == "custom" and not r.get("target"):
-        errors.append("reward=custom trains your own reward: set reward.target=package.module:name (a function "
-                      "fn(images, prompts, metadata) or a reward class of your module)")
+        errors.append("reward=custom trains your own reward and reward.target is not set: set "
+                      "reward.target=package.module:function, the import path of your function fn(images, prompts, "
+                      "metadata) (or of a reward class of your module), e.g. reward.target=my_rewards:redness "
+                      "(docs/your-own.md)")
     elif r is not None and not OmegaConf.is_missing(r, "name") and r.name != "custom" and r.get("target") is not None:
         errors.append(f"reward.target={r.target!r} names your own reward, but reward={r.name!r} is a registered one: "
                       "use reward=custom with it, or set reward.target=null")

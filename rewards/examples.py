@@ -1,5 +1,5 @@
 """A reward written the way you write your own (``docs/your-own.md``): a plain function of a batch, in a module of
-its own, that the package imports by its path. ``reward=custom`` trains on it until ``reward.target`` names yours.
+its own, that the package imports by its path: ``reward=custom reward.target=rewards.examples:redness``.
 
 >>> import torch
 >>> red, grey = torch.zeros(1, 3, 8, 8), torch.full((1, 3, 8, 8), 0.5)

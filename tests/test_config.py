@@ -53,6 +53,7 @@ PARTNERS: dict[tuple[str, str], list[str]] = {
     ("algo", "stream_awm"): ["model=causal_wan_shapes"],
     ("algo", "flow_opd"): ["+algo.teachers.t=conf"],  # it distils earlier runs (any existing path validates)
     ("experiment", "flow_opd_shapes"): ["algo.teachers.geneval=conf", "algo.teachers.jpeg=conf"],
+    ("reward", "custom"): ["reward.target=rewards.examples:redness"],  # the user's reward: no default
 }
 # Keys left for the user to fill (``???``) by design.
 EXPECTED_MISSING = {
@@ -417,7 +418,8 @@ def test_sampler_uses_the_model_schedule_unless_shift_is_set(hydra_compose):
 
 
 def test_reward_configs_match_the_registry_and_instantiate(hydra_compose):
-    configured = {name: hydra_compose([f"reward={name}"]).reward for name in options("reward")}
+    configured = {name: hydra_compose([f"reward={name}", *PARTNERS.get(("reward", name), [])]).reward
+                  for name in options("reward")}
     names = {node.name for node in configured.values()}
     registered = set(rewards.available())
     assert "geneval" in registered, "rewards.load('geneval') must be registered"
@@ -438,6 +440,11 @@ def test_reward_errors_name_the_key(hydra_compose):
         build_reward(cfg.reward)
     cfg = hydra_compose(["+reward.kwargs.no_such_kwarg=1"])
     with pytest.raises(TypeError, match=r"reward\.kwargs"):
+        build_reward(cfg.reward)
+    cfg = hydra_compose(["reward=custom"])  # no target: the user's reward, never a shipped example in its place
+    with pytest.raises(ConfigError, match=r"reward\.target is not set: set reward\.target=package\.module:function"):
+        validate(cfg)
+    with pytest.raises(ValueError, match=r"reward\.target is not set: set reward\.target=package\.module:function"):
         build_reward(cfg.reward)
 
 

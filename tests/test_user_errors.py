@@ -170,6 +170,26 @@ def test_a_mistake_in_the_command_is_one_message_with_a_suggestion(monkeypatch, 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_reward_custom_without_a_target_stops_before_any_model_loads(monkeypatch, capsys, tmp_path):
+    """``reward=custom`` is the user's own reward: without ``reward.target`` the run stops at start-up with one
+    message naming the key (it never trains on the package's example reward in its place)."""
+    import flowgrpo.trainer
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the trainer (and its model) was built")
+
+    monkeypatch.setattr(flowgrpo.trainer, "Trainer", no_model)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.delenv("FLOWGRPO_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    code, err = _train_py(monkeypatch, capsys, *QUICK, "reward=custom")
+    assert code == 1, err
+    assert "reward=custom trains your own reward and reward.target is not set: set " \
+           "reward.target=package.module:function" in err, err
+    assert "Traceback" not in err and err.count("error:") == 1
+    assert list(tmp_path.iterdir()) == []  # no run dir
+
+
 def test_a_user_error_in_the_run_is_one_message_and_a_bug_keeps_its_traceback(monkeypatch, capsys, tmp_path):
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     monkeypatch.delenv("FLOWGRPO_DEBUG", raising=False)

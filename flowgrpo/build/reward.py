@@ -45,8 +45,10 @@ def build_reward(reward: DictConfig):
     if reward.name == "custom":
         target = reward.get("target")
         if not target:
-            raise ValueError(f"{config_key(reward, 'target')} is not set: reward=custom trains your own reward, "
-                             "reward.target=package.module:name")
+            raise ValueError(f"reward=custom trains your own reward and {config_key(reward, 'target')} is not set: "
+                             f"set {config_key(reward, 'target')}=package.module:function, the import path of your "
+                             "function fn(images, prompts, metadata) (or of a reward class of your module), e.g. "
+                             "my_rewards:redness (docs/your-own.md)")
         return rewards.from_target(_GIVEN.get(target, target), kwargs, key=config_key(reward, "target"),
                                    kwargs_key=config_key(reward, "kwargs"))
     if reward.name not in rewards.available():
