@@ -2,8 +2,9 @@
 train, and leave a summary (JSON + reward curves) in the run dir. What it reports, and the traceback of a crash,
 also goes to ``train.log`` there (:mod:`flowgrpo.runlog`).
 
-A run dir holds one run: a fresh run (no ``trainer.resume``) refuses a dir that already holds one before writing
-anything, unless ``trainer.overwrite=true``, which removes that run's files first. The libraries' loading bars and
+A run dir holds one run: a fresh run (no ``trainer.resume``), or ``trainer.resume=auto`` in a dir whose run left no
+checkpoint, refuses a dir that already holds one before writing anything, unless ``trainer.overwrite=true``, which
+removes that run's files first. The libraries' loading bars and
 INFO lines are off during the run (``FLOWGRPO_DEBUG=1`` shows them)."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .jsonio import dumps
-from .checkpoint import asks_resume, atomic_write_text
+from .checkpoint import CheckpointManager, asks_resume, atomic_write_text
 from .config import steps_line, validate
 from .errors import DEBUG_ENV, mark_set_up
 from .runlog import (LOG_NAME, RunDirInUse, clear_run, close_file_logs, code_version, discard_hydra_dir,
@@ -64,26 +65,46 @@ def _dir_key(cfg: DictConfig) -> str:
     return "trainer.output_dir" if cfg.trainer.output_dir is not None else "hydra.run.dir"
 
 
+def _holds_checkpoint(path: Path) -> bool:
+    """Whether the run dir ``path`` holds a checkpoint a resume would try (``checkpoints/checkpoint-N/``; one that
+    turns out corrupt is the resume's to report)."""
+    return bool(CheckpointManager(path / "checkpoints").checkpoints())
+
+
 def _claim(path: Path, cfg: DictConfig) -> list[str]:
     """Whether this run may write into ``path``: a resume (``trainer.resume``) continues whatever is there; a fresh
     run needs a dir that holds no run (:func:`~flowgrpo.runlog.earlier_run`), or ``trainer.overwrite=true``, which
-    removes the earlier run's files first, so that the dir never mixes two runs. Returns what was removed.
+    removes the earlier run's files first, so that the dir never mixes two runs. ``trainer.resume=auto`` in a dir that
+    holds a run but no checkpoint of it would be such a fresh start (or a resume of an earlier run of the experiment
+    into this one's files), and is treated as one. Returns what was removed.
 
     Raises:
         RunDirInUse: naming the earlier run's files and the ways on.
     """
     earlier = earlier_run(path)
-    if not earlier or asks_resume(cfg.trainer.resume):
+    if not earlier:
+        return []
+    resume = cfg.trainer.resume
+    auto = asks_resume(resume) and str(resume).strip().lower() == "auto"
+    if asks_resume(resume) and not (auto and not _holds_checkpoint(path)):
         return []
     if cfg.trainer.overwrite:
         return clear_run(path)
     key = _dir_key(cfg)
-    resume = ("  continue it:     trainer.resume=auto\n" if "checkpoints/" in earlier else
-              "  (it has no checkpoint to continue from)\n")
+    new_dir = f"{key}=<a new directory> (or leave {key} out: a new outputs/DATE/TIME)"
+    if auto:
+        raise RunDirInUse(
+            f"trainer.resume=auto: {key}={path} holds a run ({', '.join(earlier)}) but no checkpoint to continue "
+            f"from (none in {path / 'checkpoints'}): starting there would mix this run with that run's files, so "
+            f"nothing was written. Either\n"
+            "  start over there: trainer.overwrite=true (deletes that run's files first)\n"
+            f"  start a new run:  {new_dir}")
+    continue_it = ("  continue it:     trainer.resume=auto\n" if _holds_checkpoint(path) else
+                   "  (it has no checkpoint to continue from)\n")
     raise RunDirInUse(
         f"{key}={path} already holds a run ({', '.join(earlier)}): a fresh start (no trainer.resume) would "
-        f"overwrite it, so nothing was written. Either\n{resume}"
-        f"  start a new run: {key}=<a new directory> (or leave {key} out: a new outputs/DATE/TIME)\n"
+        f"overwrite it, so nothing was written. Either\n{continue_it}"
+        f"  start a new run: {new_dir}\n"
         "  replace it:      trainer.overwrite=true (deletes its files first)")
 
 

@@ -310,7 +310,9 @@ class TrainerConfig:
     resume_search_dir: Optional[str] = None  # where resume=auto finds earlier runs; null = <root> of a timestamped <root>/DATE/TIME run dir
     resume_force: bool = False  # resume although the config changes what the checkpoint's run meant (algorithm, batch plan, ...)
     output_dir: Optional[str] = None  # null = Hydra's run dir (chosen on rank 0)
-    overwrite: bool = False  # a fresh run (no resume) may replace the run a run dir already holds: its files are deleted first
+    # a fresh run (no resume, or resume=auto in a dir whose run left no checkpoint) may replace the run a run dir
+    # holds: its files are deleted first
+    overwrite: bool = False
 
 
 # --------------------------------------------------------------------------------------------- top

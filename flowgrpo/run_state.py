@@ -191,6 +191,7 @@ class RunState:
         ``auto``: the newest intact checkpoint of this run dir, then of earlier runs of the same experiment
         (:meth:`run_identity`, newest run first) under ``trainer.resume_search_dir`` — by default, when the run dir
         is Hydra's timestamped ``<root>/YYYY-MM-DD/HH-MM-SS``, under ``<root>``; none at all: a fresh start, said so.
+        (A run dir that holds a run's files but no checkpoint was refused before: :func:`flowgrpo.cli._claim`.)
         A path: a run dir, a checkpoint root or a checkpoint dir (then the older ones beside it). A corrupt or
         incomplete checkpoint is named in a warning and the next older one is tried; none intact: CheckpointError.
         """

@@ -101,6 +101,68 @@ def test_overwrite_replaces_the_earlier_run_and_a_resume_continues_it(tmp_path):
     assert resumed["iterations"] == 2
 
 
+def _run_without_a_checkpoint(run: Path) -> dict[str, str]:
+    """A run dir as a run that ended before its first checkpoint leaves it (killed during its first iteration, or run
+    with trainer.checkpoint_every=0): its files, and in checkpoints/ only the temporary dir of a save that never
+    finished; returns every file's sha256."""
+    for rel, text in {"config.yaml": "trainer: {}\n", "train.log": "the earlier run's log\n",
+                      "metrics.jsonl": '{"iteration": 1}\n', ".hydra/config.yaml": "the earlier command\n",
+                      "gallery/train/step-000001.png": "grid",
+                      "checkpoints/.tmp-checkpoint-000002.host.1.abc/state.pt": "half a state",
+                      "notes.txt": "the user's own notes\n"}.items():
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_text(text)
+    return _digests(run)
+
+
+def test_resume_auto_refuses_a_dir_whose_run_left_no_checkpoint_and_leaves_it_byte_identical(monkeypatch, capsys,
+                                                                                                tmp_path):
+    """``trainer.resume=auto`` pointed at a dir that holds a run but no checkpoint of it would start a second run
+    among the first one's files: one message saying what was found and the ways on (trainer.overwrite=true, a new
+    dir), exit status 1, and every file of the earlier run as it was."""
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.delenv("FLOWGRPO_DEBUG", raising=False)
+    work, run = tmp_path / "cwd", tmp_path / "run"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    before = _run_without_a_checkpoint(run)
+    code, err = _train_py(monkeypatch, capsys, *QUICK, f"hydra.run.dir={run}", "trainer.resume=auto")
+    assert code == 1, err
+    assert (f"error: trainer.resume=auto: hydra.run.dir={run} holds a run (config.yaml, train.log, metrics.jsonl, "
+            f"checkpoints/, gallery/) but no checkpoint to continue from (none in {run / 'checkpoints'})") in err, err
+    assert "start over there: trainer.overwrite=true" in err and "hydra.run.dir=<a new directory>" in err
+    assert "Traceback" not in err and err.count("error:") == 1
+    assert _digests(run) == before  # byte-identical, and nothing added
+    assert list(work.iterdir()) == []
+    with pytest.raises(RunDirInUse, match=r"trainer\.resume=auto: trainer\.output_dir=.* but no checkpoint"):
+        cli.main(_compose(*QUICK, f"trainer.output_dir={run}", "trainer.resume=auto"))
+    assert _digests(run) == before
+
+
+def test_resume_auto_still_resumes_a_checkpoint_and_starts_fresh_in_a_new_dir(tmp_path):
+    """What the refusal leaves alone: a dir with a checkpoint is claimed as it is (the resume continues it, whatever
+    else is there), and so is a new or empty dir; trainer.overwrite=true with trainer.resume=auto clears a run that left
+    no checkpoint (and nothing of the user's) so that the run starts over there; a fresh start no longer suggests
+    trainer.resume=auto for such a run."""
+    with_checkpoint, without, new = tmp_path / "with_checkpoint", tmp_path / "without", tmp_path / "new"
+    before = _earlier_run(with_checkpoint)
+    auto = ["trainer.resume=auto"]
+    for overwrite in ([], ["trainer.overwrite=true"]):  # a resubmitted job may pass both: its checkpoint is kept
+        cfg = _compose(*QUICK, *auto, *overwrite, f"trainer.output_dir={with_checkpoint}")
+        assert cli._claim(with_checkpoint, cfg) == []
+        assert _digests(with_checkpoint) == before
+    assert cli._claim(new, _compose(*QUICK, *auto, f"trainer.output_dir={new}")) == []
+    new.mkdir()
+    assert cli._claim(new, _compose(*QUICK, *auto, f"trainer.output_dir={new}")) == []
+    _run_without_a_checkpoint(without)
+    with pytest.raises(RunDirInUse, match=r"\(it has no checkpoint to continue from\)") as fresh:
+        cli._claim(without, _compose(*QUICK, f"trainer.output_dir={without}"))
+    assert "trainer.resume=auto" not in str(fresh.value)
+    removed = cli._claim(without, _compose(*QUICK, *auto, "trainer.overwrite=true", f"trainer.output_dir={without}"))
+    assert set(removed) == {"config.yaml", "train.log", "metrics.jsonl", "checkpoints/", "gallery/", ".hydra/"}
+    assert [p.name for p in without.iterdir()] == ["notes.txt"]
+
+
 def test_the_run_dir_is_refused_on_every_process_by_the_main_process_decision(tmp_path, monkeypatch):
     """Under a multi-process launch only rank 0 looks at the dir; the others receive its decision and raise the same
     refusal (instead of waiting in a collective that rank 0 never reaches), writing nothing."""
