@@ -20,8 +20,9 @@ reward.target=<module:name>`` (``rewards.custom``).
 from __future__ import annotations
 
 import copy
+import itertools
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -55,6 +56,34 @@ def _chosen_reward(overrides: Sequence[str]) -> str | None:
     return None
 
 
+def _new_run_dir() -> Path:
+    """``train.py``'s default run dir, ``outputs/DATE/TIME`` under the working directory, made here so that it is this
+    call's alone: a call in the same second as another (in this process or any other) gets ``TIME_2``, ``TIME_3``..."""
+    stamp = Path("outputs") / time.strftime("%Y-%m-%d/%H-%M-%S")
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        path = stamp if n == 1 else stamp.with_name(f"{stamp.name}_{n}")
+        try:
+            path.mkdir()  # atomic: whoever makes it has it
+            return path
+        except FileExistsError:
+            continue
+
+
+def _discard_if_unused(path: Path) -> None:
+    """After a call that failed: remove the run dir :func:`_new_run_dir` made when no run was written into it (the
+    run's own set-up failure may have removed it already), and its empty parents up to the working directory."""
+    from .runlog import discard_run_dir, holds_nothing, remove_empty_dirs
+
+    path = path.resolve()
+    if path.is_dir():
+        if holds_nothing(path):
+            discard_run_dir(path)
+    elif path.parent.is_dir():
+        with suppress(OSError):
+            remove_empty_dirs(path.parent)
+
+
 def train(config: Sequence[str] | DictConfig | None = None, *, reward: Callable | str | None = None) -> dict[str, Any]:
     """Train and return the run's summary (``summary.json``'s content: iterations, updates, the first and last
     evaluation, the checkpoint, ``output_dir``).
@@ -62,7 +91,8 @@ def train(config: Sequence[str] | DictConfig | None = None, *, reward: Callable 
     Args:
         config: ``train.py``'s command line as a list (``["model=sd3_shapes", "trainer.iterations=2"]``), or a config
             :func:`compose` made (and you changed); None: the defaults. Without ``trainer.output_dir`` the run goes to
-            ``outputs/DATE/TIME`` under the working directory, as ``train.py``'s.
+            ``outputs/DATE/TIME`` under the working directory, as ``train.py``'s, and each call gets its own
+            (``outputs/DATE/TIME_2`` when a call in the same second has that dir); with it, to that dir.
         reward: your reward, in place of the config's: a function ``fn(images, prompts, metadata)`` returning one
             number per sample (a list, a tensor ``[B]`` or a ``rewards.RewardOutput``), a reward object, a class
             (built with ``reward.kwargs``), or an import path ``"package.module:name"``. Combine it with others with
@@ -88,10 +118,17 @@ def train(config: Sequence[str] | DictConfig | None = None, *, reward: Callable 
         if cfg.reward.name != "custom":  # the config's reward and its settings give way to yours
             cfg.reward.kwargs = {}
         cfg.reward.name = "custom"
+    made = None
     if cfg.trainer.output_dir is None:  # train.py's default: Hydra's run dir under the working directory
-        cfg.trainer.output_dir = str(Path("outputs") / time.strftime("%Y-%m-%d/%H-%M-%S"))
+        made = _new_run_dir()
+        cfg.trainer.output_dir = str(made)
     given = nullcontext(reward) if reward is None or isinstance(reward, str) else given_reward(reward)
-    with given as target:
-        if target is not None:
-            cfg.reward.target = target
-        return run(cfg)
+    try:
+        with given as target:
+            if target is not None:
+                cfg.reward.target = target
+            return run(cfg)
+    except BaseException:
+        if made is not None:
+            _discard_if_unused(made)
+        raise

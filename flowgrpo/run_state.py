@@ -41,8 +41,9 @@ from .runlog import log
 
 __all__ = ["RunState", "ResumeRefused"]
 
-# Hydra's default run dir, <root>/YYYY-MM-DD/HH-MM-SS (conf/train.yaml): trainer.resume=auto searches <root>.
-_RUN_DAY, _RUN_TIME = re.compile(r"\d{4}-\d{2}-\d{2}"), re.compile(r"\d{2}-\d{2}-\d{2}")
+# Hydra's default run dir, <root>/YYYY-MM-DD/HH-MM-SS (conf/train.yaml; flowgrpo.train's HH-MM-SS_2, ... for a second
+# call in the same second): trainer.resume=auto searches <root>.
+_RUN_DAY, _RUN_TIME = re.compile(r"\d{4}-\d{2}-\d{2}"), re.compile(r"\d{2}-\d{2}-\d{2}(?:_\d+)?")
 
 
 class ResumeRefused(UserError, ValueError):

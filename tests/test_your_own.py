@@ -155,6 +155,40 @@ def test_a_bad_import_path_fails_before_any_model_loads(project):
     assert not (project / "bad").exists()  # refused before a run dir was kept (or a model loaded)
 
 
+def test_each_call_gets_a_run_dir_of_its_own(tmp_path, monkeypatch):
+    """Calls without ``trainer.output_dir`` in the same second each get their own ``outputs/DATE/TIME`` (the second
+    ``TIME_2``; it was the first's, and refused), made before the run starts; ``trainer.output_dir`` is used as given;
+    a call that fails before its run wrote anything leaves no dir. The run is replaced by one that takes the dir it is
+    handed (the real one refuses a dir that holds a run: tests/test_user_errors.py)."""
+    from types import SimpleNamespace
+
+    import flowgrpo
+    from flowgrpo import api, cli
+
+    def run(cfg):
+        out = Path(cfg.trainer.output_dir)
+        if cfg.trainer.iterations == 0:  # a set-up failure, before anything is written
+            raise ValueError("refused")
+        made = out.is_dir()
+        assert not made or not any(out.iterdir())  # made for this call: empty
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text("{}")  # a run's file: a later call must not get this dir
+        return {"output_dir": str(out), "made": made}
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "main", run)
+    monkeypatch.setattr(api, "time", SimpleNamespace(strftime=lambda fmt: "2026-01-01/12-00-00"))  # one second
+    assert flowgrpo.train([]) == {"output_dir": "outputs/2026-01-01/12-00-00", "made": True}
+    assert flowgrpo.train([]) == {"output_dir": "outputs/2026-01-01/12-00-00_2", "made": True}
+    with pytest.raises(ValueError, match="refused"):
+        flowgrpo.train(["trainer.iterations=0"])
+    assert sorted(p.name for p in (tmp_path / "outputs" / "2026-01-01").iterdir()) == ["12-00-00", "12-00-00_2"]
+    assert flowgrpo.train(["trainer.output_dir=mine"]) == {"output_dir": "mine", "made": False}  # the run's to claim
+    from flowgrpo.run_state import _RUN_TIME  # trainer.resume=auto in a TIME_2 dir still searches outputs/
+
+    assert _RUN_TIME.fullmatch("12-00-00_2") and not _RUN_TIME.fullmatch("12-00-00-2")
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_metrics_and_summary_are_strict_json_when_a_value_is_nan(project):
     """A component undefined on every sample is NaN in the run's means: written as null, never as a bare NaN."""
