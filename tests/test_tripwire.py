@@ -25,9 +25,12 @@ def test_preset_computes_what_its_reference_records(name, tmp_path):
     assert recorded["overrides"] == tripwire.PRESETS[name]["overrides"], (
         f"the {name} tripwire's overrides changed since its reference was recorded: re-record it")
     assert tripwire.fingerprint(recorded["rows"]) == recorded["fingerprint"], "the reference was edited by hand"
-    problems = tripwire.compare(recorded["rows"], tripwire.run(name, tmp_path))
+    assert len(recorded["tolerance"]) == len(recorded["rows"]) and recorded["spread_from"], (
+        f"the {name} reference has no tolerances measured across CPU kernels: re-record it with --update")
+    problems = tripwire.compare(recorded["rows"], tripwire.run(name, tmp_path), recorded["tolerance"])
     assert not problems, (
         f"`{recorded['command']}` no longer computes what it did at {recorded['commit']} "
-        f"(recorded on a {recorded['cpu']} CPU):\n  " + "\n  ".join(problems[:30])
+        f"(recorded on {recorded['cpu']} kernels, tolerances from {sorted(map(str, recorded['spread_from'].values()))}; "
+        f"this run on {tripwire.cpu_capability()}):\n  " + "\n  ".join(problems[:30])
         + f"\nIf the change is meant: python scripts/tripwire.py --update --only {name} --reason '...', and mark the "
         f"{name} world's results in docs/results/provenance.json stale (or measure them again).")
