@@ -97,8 +97,9 @@ def readme_results() -> str:
     taros = load("multireward.json")["summary"]
     cost = load("bench_iteration_cpu.json")["ratios"]
     return "\n".join([
-        f"On the embedded worlds, 2 CPU cores, held-out GenEval strict / partial, mean ± std over {seeds} seeds "
-        "([Results](docs/results.md)):",
+        f"On the embedded worlds, 2 CPU cores ({_kernels(_one_cpu(image['runs']))} kernels), held-out GenEval strict "
+        f"/ partial, mean ± std over {seeds} seeds ([Results](docs/results.md); on other CPU kernels a seed's number "
+        "differs, the mean holds):",
         "",
         f"* `python train.py` (MixGRPO, {d['iterations']} iterations): {base} → **{_strict_partial(d, 'final')}**; "
         f"Flash-GRPO {_strict_partial(f, 'final')}; Flow-GRPO on its 3 noisiest steps "
@@ -142,10 +143,49 @@ def image_runs_table() -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {change} | {row['seconds']['mean'] / 60:.1f} |")
     per_seed = []
     for arm, label in IMAGE_LABELS.items():
-        last = [(r["seed"], r["evals"][-1]) for r in image["runs"] if r["arm"] == arm]
-        finals = [f"seed {seed} {e['eval/geneval']:.3f} / {e['eval/geneval_partial']:.3f}" for seed, e in last]
+        last = [(r["seed"], r["cpu"], r["evals"][-1]) for r in image["runs"] if r["arm"] == arm]
+        finals = [f"seed {seed} ({_kernels(cpu)}) {e['eval/geneval']:.3f} / {e['eval/geneval_partial']:.3f}"
+                  for seed, cpu, e in last]
         per_seed.append(f"{label.split(' (')[0]}: " + ", ".join(finals))
-    return "\n".join([*lines, "", "Per seed at the last evaluation, strict / partial: " + "; ".join(per_seed) + "."])
+    return "\n".join([*lines, "", "Per seed at the last evaluation, strict / partial, with the CPU kernels it ran on: "
+                      + "; ".join(per_seed) + "."])
+
+
+IMAGE_RUNS_AVX2 = "headline_image_runs_avx2.json"
+
+
+def _kernels(cpu: str) -> str:
+    """``AVX512`` → ``AVX-512``: torch's name of the CPU kernels a run used, as people write it."""
+    return {"AVX512": "AVX-512", "DEFAULT": "no SIMD"}.get(cpu, cpu)
+
+
+def image_runs_kernels_table() -> str:
+    """The default run's seeds on two instruction sets: mean ± std per set at every evaluation, and per seed the
+    final score on each (a seed is the same draw only on the same kernels)."""
+    sets = [load(IMAGE_RUNS), load(IMAGE_RUNS_AVX2)]
+    arms = [s["arms"]["default"] for s in sets]
+    kernels = [_kernels(_one_cpu([r for r in s["runs"] if r["arm"] == "default"])) for s in sets]
+    iterations = [p["iteration"] for p in arms[0]["curve"]["eval/geneval"]]
+    lines = ["| CPU kernels | seeds | " + " | ".join(str(i) for i in iterations) + " |",
+             "|---|---|" + "---|" * len(iterations)]
+    for name, arm in zip(kernels, arms):
+        cells = [f"{_mean_pm(s)} / {_mean_pm(p)}" for s, p in zip(arm["curve"]["eval/geneval"],
+                                                                 arm["curve"]["eval/geneval_partial"])]
+        cells[0] = f"{arm['base']['eval/geneval']:.3f} / {arm['base']['eval/geneval_partial']:.3f}"
+        lines.append(f"| {name} | {len(arm['seeds'])} | " + " | ".join(cells) + " |")
+    seeds = []
+    for seed in arms[0]["seeds"]:
+        finals = [next(r for r in s["runs"] if r["arm"] == "default" and r["seed"] == seed)["evals"][-1] for s in sets]
+        seeds.append(f"seed {seed} " + " against ".join(
+            f"{e['eval/geneval']:.3f} / {e['eval/geneval_partial']:.3f} ({k})" for e, k in zip(finals, kernels)))
+    return "\n".join([*lines, "", f"At iteration {iterations[-1]}, strict / partial: " + "; ".join(seeds) + "."])
+
+
+def _one_cpu(runs: list[dict]) -> str:
+    kinds = {r["cpu"] for r in runs}
+    if len(kinds) != 1:
+        raise ValueError(f"runs on several kinds of CPU kernels in one arm: {sorted(kinds)}")
+    return kinds.pop()
 
 
 # ---------------------------------------------------------------- the per-page tables of compare_presets.py runs
@@ -985,6 +1025,7 @@ BLOCKS = {
     "readme-results": (REPO / "README.md", readme_results),
     "index-results": (DOCS / "index.md", index_results),
     "image-runs": (DOCS / "results.md", image_runs_table),
+    "image-runs-kernels": (DOCS / "results.md", image_runs_kernels_table),
     "single-seed-runs": (DOCS / "results.md", single_seed_runs),
     "multireward": (DOCS / "results.md", multireward_table),
     "video-runs": (DOCS / "results.md", video_runs_table),
