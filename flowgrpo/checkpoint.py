@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from .errors import UserError
+from .jsonio import dumps
 
 __all__ = [
     "asks_resume",
@@ -375,7 +376,7 @@ class CheckpointManager:
             doing = f"writing {MANIFEST_FILE}"
             manifest = {"format": 1, "step": int(step), "written": time.time(), "meta": dict(meta or {}),
                         "files": _file_table(tmp)}
-            atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")  # last: the seal
+            atomic_write_text(tmp / MANIFEST_FILE, dumps(manifest, indent=1) + "\n")  # last: the seal (NaN: null)
             doing = "flushing and renaming it into place"
             _fsync_tree(tmp)
             if final.exists():
@@ -604,7 +605,7 @@ def find_runs(search_dir: str | os.PathLike, meta: dict, *, exclude: Iterable[st
     search_dir = Path(search_dir)
     if not search_dir.is_dir():
         return []
-    meta = json.loads(json.dumps(meta))  # as a manifest holds it (tuples are lists)
+    meta = json.loads(dumps(meta))  # as a manifest holds it (tuples are lists, NaN null)
     excluded = {Path(p).resolve() for p in exclude}
     found = []
     for root in {*search_dir.glob("*/checkpoints"), *search_dir.glob("*/*/checkpoints")}:

@@ -313,6 +313,10 @@ def test_every_checkpoint_carries_a_manifest_of_its_files_written_last(tmp_path)
         assert info == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     assert manager.verify(path) is None
     assert not [p for p in path.rglob("*") if p.name.startswith(".")]  # the manifest's own temporary is gone
+    # strict JSON: a non-finite value in the meta is written null (a strict parser refuses NaN)
+    nan_meta = manager.save(5, {"w": torch.arange(5.0)}, meta={"run": {"lr": float("nan")}})
+    strict = json.loads((nan_meta / "manifest.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert strict["meta"] == {"run": {"lr": None}}
 
 
 @pytest.mark.parametrize("fault,named", [

@@ -32,6 +32,7 @@ from diffusers import WanPipeline
 
 from samplers import ChunkedTrajectory, chunked_rollout, stream_noise, stream_sde_mask, stream_sigmas
 
+from ..jsonio import dumps
 from .causal_wan import CausalWan
 from .wan import WanAdapter
 
@@ -136,7 +137,7 @@ class StreamingWanPipeline:
     def save_pretrained(self, path: str | os.PathLike) -> None:
         self.pipe.save_pretrained(path)
         with open(os.path.join(path, STREAM_CONFIG_NAME), "w") as f:
-            json.dump(asdict(self.config), f, indent=2)
+            f.write(dumps(asdict(self.config), indent=2))  # strict JSON
 
     # ------------------------------------------------------------------------------------------------ layout
     @property
