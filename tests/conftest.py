@@ -45,3 +45,9 @@ def flowgrpo_caplog(caplog):
     log.propagate = True
     yield caplog
     log.propagate = saved
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The preset tripwire first: its file is the longest one (three short training runs), and the workers take
+    whole files in collection order (``--dist loadfile``), so started last it ran alone at the end."""
+    items.sort(key=lambda item: item.nodeid.split("::")[0] != "tests/test_tripwire.py")

@@ -321,6 +321,7 @@ def test_loading_a_state_forgets_the_scores_of_the_old_policy_it_replaces(rolled
         algo.load_state_dict(kept)
 
 
+@pytest.mark.slow  # about a minute on 2 cores: pytest -m slow
 def test_a_re_caching_model_streams_branches_whose_routed_blocks_a_switch_re_writes(tmp_path):
     """``model.stream.recache=true`` (LongLive's re-cache at prompt switches) on the guidance-free model: the
     branched rollout runs through forks whose routed blocks end at a switch, where the re-cache re-writes them

@@ -237,7 +237,8 @@ STREAMS = {  # tiny twins of the streaming presets: (overrides, pixel frames, pr
 
 
 @pytest.mark.usefixtures("one_thread")  # fake tensors compute nothing; the real run is tiny
-@pytest.mark.parametrize("name", sorted(STREAMS))
+# KVPO's real run (branches per fork) is the longest of the suite: run by hand with pytest -m slow
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "kvpo" else n for n in sorted(STREAMS)])
 def test_streaming_plan_equals_real_run_at_tiny_size(name):
     """A streaming run planned on fake tensors (the transformer built without a checkpoint, as the planner builds a
     real-size one) against the same phases on real tensors with the embedded model's weights loaded by

@@ -114,6 +114,7 @@ def test_gpu_check_reports_a_row_that_ran_out_of_memory_and_goes_on(tmp_path, mo
     assert rows["mix_grpo"]["ratio_to_flow_grpo"] == 1.0 and "error" not in rows["flow_grpo"]
 
 
+@pytest.mark.slow  # most of a minute on 2 cores: pytest -m slow
 @pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 def test_gpu_check_measures_the_streaming_model_with_its_own_algorithms(tmp_path):
     check = load_script("gpu_check")
