@@ -291,13 +291,15 @@ def compare(reference: list[dict], got: list[dict], tolerance: list[dict] | None
     return problems
 
 
-def shared_rows(old: list[dict], new: list[dict]) -> tuple[list[dict], list[dict]]:
-    """The rows of two runs of one preset that record the same thing (the same iteration and kind), in order."""
-    def key(row):
-        return (row.get("iteration"), _is_eval(row), "iteration" in row)
+def _row_key(row: dict) -> tuple:
+    """What a row records: its iteration and kind (training, evaluation, the trained weights)."""
+    return row.get("iteration"), _is_eval(row), "iteration" in row
 
-    mine = {key(r): r for r in new}
-    pairs = [(r, mine[key(r)]) for r in old if key(r) in mine]
+
+def shared_rows(old: list[dict], new: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The rows of two runs of one preset that record the same thing, in ``old``'s order."""
+    mine = {_row_key(r): r for r in new}
+    pairs = [(r, mine[_row_key(r)]) for r in old if _row_key(r) in mine]
     return [a for a, _ in pairs], [b for _, b in pairs]
 
 
@@ -369,13 +371,14 @@ def record(name: str, rows: list[dict], reference: dict, reason: str, workdir: P
         if old is None:
             print(f"{name}: --unchanged, but there is no reference to be unchanged from")
             return False
-        # the old reference's own kernels are one more set the new tolerances must cover
         old_rows, new_rows = shared_rows(old["rows"], rows)
-        problems = compare(new_rows, old_rows, tolerances(new_rows, _shared_others(old, rows, others)))
+        lower = [shared_rows(old["rows"], o)[1] for o in others.values()]  # tolerances measured without the old rows
+        problems = compare(new_rows, old_rows, tolerances(new_rows, lower))
         if problems:
             print(f"{name}: not unchanged: the rows shared with the reference of {old['commit']} differ:\n  "
                   + "\n  ".join(problems[:40]))
             return False
+        # the old reference's own kernels are one more set the new tolerances must cover
         others[f"reference {old['commit']}"] = _aligned(old["rows"], rows)
         spread_from[f"reference {old['commit']}"] = old.get("cpu")
         computes_as = [old["fingerprint"], *old.get("computes_as", [])]
@@ -393,18 +396,8 @@ def record(name: str, rows: list[dict], reference: dict, reason: str, workdir: P
 
 def _aligned(old: list[dict], rows: list[dict]) -> list[dict]:
     """``old``'s rows at the positions of ``rows`` that record the same thing (an empty row where it has none)."""
-    def key(row):
-        return (row.get("iteration"), _is_eval(row), "iteration" in row)
-
-    theirs = {key(r): r for r in old}
-    return [theirs.get(key(r), {}) for r in rows]
-
-
-def _shared_others(old: dict, rows: list[dict], others: dict) -> list[list[dict]]:
-    """The lower kernel sets' runs restricted to the rows shared with ``old``."""
-    keys = {(r.get("iteration"), _is_eval(r), "iteration" in r) for r in old["rows"]}
-    return [[r for r, mine in zip(o, rows) if (mine.get("iteration"), _is_eval(mine), "iteration" in mine) in keys]
-            for o in others.values()]
+    theirs = {_row_key(r): r for r in old}
+    return [theirs.get(_row_key(r), {}) for r in rows]
 
 
 def lower_kernels(native: str) -> list[str]:
