@@ -265,13 +265,16 @@ def test_advantages_are_relative_to_the_reference_run(rolled):
     adv = batch.advantages.cpu()
     assert adv[2] == 0 and adv[5] == 0  # the reference runs are the baseline
     assert bool((adv.abs() <= trainer.algorithm.cfg.adv_clip).all())
-    # a group where no branch beats the reference on any component is flagged: its loss is halved
+    # a group where no branch beats the reference on the raw reward (the scalar, and the fork segment's mean
+    # component) is flagged: its loss is halved
     comps = {k: v.clone() for k, v in batch.components.items()}
-    for v in batch.components.values():
+    rewards = batch.rewards.clone()
+    for v in (*batch.components.values(), batch.rewards):
         v[0:2] = torch.minimum(v[0:2], v[2]) if torch.isfinite(v[0:3]).all() else v[0:2]
     trainer.algorithm.advantages(Scores(batch))
     assert not bool(batch.extras["beats_reference"][0])
     batch.components.update(comps)
+    batch.rewards.copy_(rewards)
     trainer.algorithm.advantages(Scores(batch))
 
 
@@ -494,8 +497,9 @@ def test_kvpo_awm_trains_the_routed_branches_by_awm_under_their_routes(rolled, m
 def test_after_switch_forks_and_the_routed_frames_reward_through_the_trainer(tmp_path):
     """``algo.fork=after_switch algo.local_reward=blocks``: every group forks in the first blocks after a prompt
     switch (its window still holding frames from before it), each row's metadata names the group's routed pixel
-    frames, the reward scores them (``window/<name>``) and the local advantage is theirs."""
-    from flowgrpo.algorithms.kvpo import fuse_advantages, reference_relative_advantages
+    frames, the reward scores them (``window/<name>``) and the local advantage is theirs (the mean of those
+    components, ``algo.advantage_from=aggregate``; the global one from the scalar reward)."""
+    from flowgrpo.algorithms.kvpo import fuse_advantages, reference_relative_advantage
 
     trainer = make_trainer(tmp_path, "algo.fork=after_switch", "algo.local_reward=blocks")
     batch = trainer.rollout(trainer.plan(0), 0)
@@ -510,10 +514,10 @@ def test_after_switch_forks_and_the_routed_frames_reward_through_the_trainer(tmp
             assert batch.metadata[r]["window"] == [4 * plan.fork_frame - 3, 4 * (plan.end_frame - 1) + 1]
         comps = {k: v.cpu().double() for k, v in batch.components.items()}
         rows = slice(3 * p, 3 * p + 3)
-        local = reference_relative_advantages({c: comps[f"window/{c}"][rows][:2] for c in cfg.local_components},
-                                              {c: comps[f"window/{c}"][rows][2] for c in cfg.local_components})
-        global_ = reference_relative_advantages({c: comps[c][rows][:2] for c in cfg.global_components},
-                                                {c: comps[c][rows][2] for c in cfg.global_components})
-        expected = fuse_advantages(local, global_, w_local=cfg.w_local, w_global=cfg.w_global, clip=cfg.adv_clip)
+        window = torch.stack([comps[f"window/{c}"][rows] for c in cfg.local_components]).mean(0)
+        scalar = batch.rewards.cpu().double()[rows]
+        expected = fuse_advantages(reference_relative_advantage(window[:2], window[2]),
+                                   reference_relative_advantage(scalar[:2], scalar[2]), w_local=cfg.w_local,
+                                   w_global=cfg.w_global, clip=cfg.adv_clip)
         assert torch.allclose(batch.advantages[3 * p: 3 * p + 2].cpu(), expected, atol=1e-6)
     assert all("window" not in m for m in trainer.train_set.metadata)   # the data's own records are untouched

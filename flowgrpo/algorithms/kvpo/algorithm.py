@@ -15,16 +15,22 @@ from ...config import AlgoConfig
 from ...knobs import knob
 from ...offload import HostCopy
 from ...rollout import Rollout, SamplingModel
+from ...runlog import log
 from ..base import Algorithm, Batch, GalleryNotes, Scores, UpdateContext
 from ..old_policy import OldPolicy
 from .objective import branch_log_policy, fuse_advantages, kvpo_loss, reference_relative_advantages, tve_scores
-from .routing import FORKS, RoutingPlan, plan_routing
+from .routing import FORKS, RoutingPlan, plan_routing, route_fn
 from .rollout import BranchedRollout
 
-__all__ = ["BranchingConfig", "KVPOConfig", "KVPO", "LOCAL_REWARDS"]
+__all__ = ["BranchingConfig", "KVPOConfig", "KVPO", "LOCAL_REWARDS", "BRANCH_SOURCES", "ADVANTAGE_SOURCES"]
 
 #: ``algo.local_reward``: what the local advantage scores (the fork segment, or the fork's routed frames)
 LOCAL_REWARDS = ("segment", "blocks")
+#: ``algo.branch_source``: what makes a group's branches differ (routing, the official; or a fresh noise draw)
+BRANCH_SOURCES = ("routed", "noise")
+#: ``algo.advantage_from``: what each signal's advantage is computed from (one aggregate reward, the official; or
+#: every reward component standardised on its own)
+ADVANTAGE_SOURCES = ("aggregate", "aspects")
 
 
 @dataclass
@@ -32,7 +38,8 @@ class BranchingConfig(AlgoConfig):
     """What every algorithm training KVPO's routed branches shares (``algo=kvpo``, ``algo=kvpo_awm``): where the
     streams fork, what the branches attend, which blocks are trained and the advantages relative to each group's
     reference run. ``trainer.group_size`` = branches + 1: the last member of each group is the reference (unrouted)
-    run."""
+    run. No two branches of a group attend the same frames: a group whose fork's pool holds fewer distinct
+    selections streams fewer branches (:meth:`KVPO.group_branches`; counted by the loss info's ``branches_short``)."""
 
     routed_blocks: int = knob(2, ge=1)  # P consecutive routed blocks from the fork (fewer where a stream has no room)
     # anywhere: uniform over the eligible forks (official); after_switch: only the first blocks after a prompt switch,
@@ -50,9 +57,17 @@ class BranchingConfig(AlgoConfig):
     # segment: the local reward is the fork segment's segment<s>/<name>; blocks: the reward scored on the fork's
     # routed frames alone (window/<name>; the official scores its fork chunk)
     local_reward: str = knob("segment", choices=LOCAL_REWARDS)
+    # aggregate (official: its one continuous reward, HPSv3, per signal): the local signal from the mean of the local
+    # components, the global one from the reward's scalar, each relative to the reference run; aspects: every local
+    # and global component relative to it and standardised on its own, then summed
+    advantage_from: str = knob("aggregate", choices=ADVANTAGE_SOURCES)
     local_components: List[str] = field(default_factory=lambda: ["adherence", "direction", "speed"])  # the local reward's components (segment<s>/<name> or window/<name>)
     global_components: List[str] = field(default_factory=lambda: [
-        "adherence", "direction", "speed", "identity", "teleport", "smoothness", "recovery", "anti_freeze"])  # the whole stream's reward components
+        "adherence", "direction", "speed", "identity", "teleport", "smoothness", "recovery", "anti_freeze"])  # the whole stream's reward components (advantage_from=aspects)
+    # routed (official): branches share every noise draw and differ in the older frames their routed blocks attend;
+    # noise (a control): the same fork and the same blocks regenerated after it, every branch attending the
+    # unrouted context, each with a fresh noise draw in the blocks routing would act on
+    branch_source: str = knob("routed", choices=BRANCH_SOURCES)
     branch_batch: int = knob(0, ge=0)  # branches streamed / replayed together (each holds a KV cache); 0 = all
 
 
@@ -75,6 +90,11 @@ class KVPO(Algorithm):
     branches and one reference run sharing every noise draw; the update replays each branch under the unrouted
     context (TVE), and applies PPO on the branch simplex with the KL to the initial policy.
 
+    A group's branches are distinct: with fewer distinct selections than ``G`` in its pool it streams ``G' < G``
+    branches, and its advantages, TVE policy and loss run over those ``G'`` (the other rows weigh nothing).
+    ``algo.branch_source=noise`` is the control of routing: the same forks and blocks, branches differing by a fresh
+    noise draw instead.
+
     Phases through the contract: :meth:`plan` (the chunk axis and one update unit per row), :meth:`make_rollout`
     (the branched streams, :class:`BranchedRollout`, with the old policy), :meth:`advantages` (relative to each
     group's reference run), :meth:`loss` (per micro-batch: the exact gradient of each group's loss for the branches it
@@ -94,6 +114,13 @@ class KVPO(Algorithm):
         self._cache: dict[tuple, torch.Tensor] = {}
         # π of each branch under the policy of the update's last loss of an iteration, for the gallery: (iteration, [n])
         self._pi: tuple[int, torch.Tensor] | None = None
+        self._short_logged: set[tuple[int, int, int]] = set()  # (pool size, n, G) logged once
+        if self.cfg.branch_source == "noise" and self.name == "kvpo":
+            log.warning("algo.branch_source=noise with algo=kvpo: the noise branches stream under the unrouted "
+                        "context, so the TVE replay under the rollout (old) policy reproduces each of them and "
+                        "scores 0; the policy gradient on the branch simplex vanishes right after each sync and "
+                        "stays as small as the weights' move from the old policy between syncs. The control's "
+                        "loss is meaningful with algo=kvpo_awm.")
 
     @classmethod
     def check_config(cls, algo_cfg, sampler_cfg) -> list[str]:
@@ -143,6 +170,49 @@ class KVPO(Algorithm):
                     raise
                 blocks -= 1
 
+    def note_short(self, plan: RoutingPlan) -> None:
+        """Log, once per (pool size, ``n``, ``G``), that a routing plan has fewer branches than asked: its pool holds
+        fewer distinct selections of ``n`` frames than ``G`` (:func:`plan_routing`). The group then streams and
+        trains those branches only; the loss info counts such groups every iteration (``branches_short``)."""
+        if not plan.missing_branches:
+            return
+        kind = (plan.pool_end - plan.pool_start, plan.num_older, plan.requested_branches)
+        if kind in self._short_logged:
+            return
+        self._short_logged.add(kind)
+        log.warning(f"kvpo: a fork at frame {plan.fork_frame} has a pool of {kind[0]} older frames, which holds "
+                    f"{plan.num_branches} distinct selections of {kind[1]} frames: its group streams "
+                    f"{plan.num_branches} branches instead of trainer.group_size - 1 = {kind[2]} (logged once per "
+                    f"pool size; train/branches_short counts the groups)")
+
+    @staticmethod
+    def group_branches(batch: Batch, group: int) -> int:
+        """How many branches group ``group`` streamed: its first rows (its last is the reference run); fewer than
+        ``trainer.group_size - 1`` when its routing plan has fewer distinct selections. The rows between its
+        branches and its reference run stream nothing (they hold the reference run) and weigh nothing."""
+        G1 = batch.plan.group_size
+        active = batch.extras.get("active_branch")
+        if active is None:  # a batch made before the rollout recorded it (a stand-in): every branch
+            return G1 - 1
+        return int(active[group * G1: group * G1 + G1 - 1].sum())
+
+    @staticmethod
+    def short_groups(batch: Batch) -> int:
+        """Groups of the batch that streamed fewer branches than ``trainer.group_size - 1``."""
+        G1 = batch.plan.group_size
+        active = batch.extras.get("active_branch")
+        if active is None:
+            return 0
+        return int((active.view(-1, G1)[:, :-1].sum(1) < G1 - 1).sum())
+
+    def branch_route(self, batch: Batch, row: int):
+        """The route row ``row``'s blocks were streamed with: its branch's (``algo.branch_source=routed``), else
+        ``None`` (the unrouted context: a reference run, or a noise branch)."""
+        G1 = batch.plan.group_size
+        if row % G1 == G1 - 1 or batch.extras.get("branch_source", "routed") == "noise":
+            return None
+        return route_fn(batch.extras["routing"][row // G1], row % G1)
+
     def rollout_guidance(self) -> bool:
         """Whether the branches stream with the run's guidance (else the conditional velocity): the training guidance
         (``Needs.training_guidance``), which the TVE replay must reproduce."""
@@ -155,45 +225,76 @@ class KVPO(Algorithm):
     # ------------------------------------------------------------------------------------------ phase 4
     def advantages(self, scores: Scores) -> torch.Tensor:
         """Each branch's fused local and global advantage relative to its group's reference run (computed on this
-        process's whole groups, then gathered); whether any branch beat it is kept for the loss."""
+        process's whole groups, then gathered); whether any branch beat it is kept for the loss.
+
+        Per group of ``G'`` branches (its streamed ones) and its reference run: with ``algo.advantage_from=aggregate``
+        (the official, whose reward is one continuous score) each signal has one reward, the local one the mean of
+        the local components, the global one the reward's scalar; with ``aspects`` every component is a reward of
+        its own. Each reward gives ``(r_g − r_ref) / std([r_1..r_G', r_ref])`` (summed over a signal's rewards);
+        the two signals are fused by :func:`fuse_advantages`.
+
+        The loss is halved when no branch beats the reference run (the official "mechanism_2", arXiv 2605.14278's
+        code, ``models/longlive/trainer/kvpo.py``): "beats" compares the *raw* aggregate rewards, a branch's mean
+        local component and its scalar reward against the reference run's, on each signal that is trained (weight
+        > 0), whatever ``advantage_from`` is; not the standardised signals, whose sign a component's scale can
+        flip."""
         batch = scores.batch
+        cfg = self.cfg
         G1 = batch.plan.group_size
         G = G1 - 1
         n = len(batch.prompts)
         comps = {k: v.detach().double().cpu() for k, v in batch.components.items()}
-        missing = [c for c in self.cfg.global_components if c not in comps]
-        if missing:
-            raise KeyError(f"algo.global_components names {missing}, which the reward does not return (it returns "
-                           f"{sorted(comps)})")
+        rewards = batch.rewards.detach().double().cpu()
+        aspects = cfg.advantage_from == "aspects"
+        if aspects:
+            missing = [c for c in cfg.global_components if c not in comps]
+            if missing:
+                raise KeyError(f"algo.global_components names {missing}, which the reward does not return (it "
+                               f"returns {sorted(comps)})")
         adv = torch.zeros(n, dtype=torch.float32)
         beats = []
-        floor = self.cfg.adv_std_floor
+        floor = cfg.adv_std_floor
+        weight = {"local": cfg.w_local, "global": cfg.w_global}
         for p in range(n // G1):
             rows = torch.arange(p * G1, (p + 1) * G1)
+            branches = self.group_branches(batch, p)
+            scored = torch.cat([rows[:branches], rows[G:]])  # its streamed branches, then its reference run
             seg = int(batch.extras["fork_segment"][p * G1])
-            local_names = ([f"window/{c}" for c in self.cfg.local_components] if self.cfg.local_reward == "blocks"
-                           else [f"segment{seg}/{c}" for c in self.cfg.local_components])
+            local_names = ([f"window/{c}" for c in cfg.local_components] if cfg.local_reward == "blocks"
+                           else [f"segment{seg}/{c}" for c in cfg.local_components])
+            if cfg.local_components and not any(c in comps for c in local_names):
+                raise KeyError(f"algo.local_components: the reward returns none of {local_names} "
+                               + ("(the components of the fork's routed frames, which reward=long_video returns for a "
+                                  "stream whose metadata names a window)" if cfg.local_reward == "blocks"
+                                  else "(per-segment components, as reward=long_video's segment<k>/<name>)"))
+
+            def finite(names):
+                return {c: comps[c][scored] for c in names if c in comps and torch.isfinite(comps[c][scored]).all()}
+
+            local_values = finite(local_names)
+            raw = {}  # each signal's raw aggregate reward [G' + 1] (the reference run last)
+            if local_values:
+                raw["local"] = torch.stack(list(local_values.values())).mean(0)
+            if torch.isfinite(rewards[scored]).all():
+                raw["global"] = rewards[scored]
+            per_signal = ({"local": local_values, "global": finite(cfg.global_components)} if aspects
+                          else {kind: {kind: values} for kind, values in raw.items()})
             signals, norms = {}, {}
-            for kind, names in (("local", local_names), ("global", list(self.cfg.global_components))):
-                values = {c: comps[c][rows] for c in names if c in comps and torch.isfinite(comps[c][rows]).all()}
-                if kind == "local" and self.cfg.local_components and not any(c in comps for c in names):
-                    raise KeyError(f"algo.local_components: the reward returns none of {names} "
-                                   + ("(the components of the fork's routed frames, which reward=long_video returns "
-                                      "for a stream whose metadata names a window)" if self.cfg.local_reward == "blocks"
-                                      else "(per-segment components, as reward=long_video's segment<k>/<name>)"))
+            for kind, values in per_signal.items():
                 if values:
-                    branch, ref = {c: v[:G] for c, v in values.items()}, {c: v[G] for c, v in values.items()}
+                    branch = {c: v[:branches] for c, v in values.items()}
+                    ref = {c: v[branches] for c, v in values.items()}
                     signals[kind] = reference_relative_advantages(branch, ref, std_floor=floor)
                     if floor > 0:  # normalised by the std it has without the floor: near-ties stay small
                         norms[kind] = reference_relative_advantages(branch, ref)
-            local = signals.get("local") if self.cfg.w_local > 0 else None
-            global_ = signals.get("global") if self.cfg.w_global > 0 else None
-            beats.append(any(s is not None and bool((s > 0).any()) for s in (local, global_)))
+            beats.append(any(bool((v[:branches] > v[branches]).any()) for kind, v in raw.items() if weight[kind] > 0))
+            local = signals.get("local") if cfg.w_local > 0 else None
+            global_ = signals.get("global") if cfg.w_global > 0 else None
             if local is None and global_ is None:
                 continue
-            adv[rows[:G]] = fuse_advantages(local, global_, w_local=self.cfg.w_local, w_global=self.cfg.w_global,
-                                            clip=self.cfg.adv_clip, local_norm=norms.get("local"),
-                                            global_norm=norms.get("global"))
+            adv[rows[:branches]] = fuse_advantages(local, global_, w_local=cfg.w_local, w_global=cfg.w_global,
+                                                   clip=cfg.adv_clip, local_norm=norms.get("local"),
+                                                   global_norm=norms.get("global"))
         batch.extras["beats_reference"] = torch.tensor(beats)
         return scores.gather(adv)
 
@@ -240,12 +341,12 @@ class KVPO(Algorithm):
         return torch.stack(out)
 
     def _group_scores(self, ctx: UpdateContext, batch: Batch, group: int, which: str) -> torch.Tensor:
-        """No-grad TVE scores of a group's ``G`` branches under the old, initial or current weights, once per
-        (iteration, epoch, group) — the current ones also per optimizer update."""
+        """No-grad TVE scores of a group's ``G'`` streamed branches under the old, initial or current weights, once
+        per (iteration, epoch, group) — the current ones also per optimizer update."""
         key = (which, int(ctx.iteration), int(ctx.epoch), group, int(ctx.updates) if which == "current" else -1)
         if key not in self._cache:
             G1 = batch.plan.group_size
-            rows = torch.arange(group * G1, group * G1 + G1 - 1)
+            rows = torch.arange(group * G1, group * G1 + self.group_branches(batch, group))
             with torch.no_grad():
                 if which == "old":
                     with self.old.swapped_in(ctx.params):
@@ -262,22 +363,26 @@ class KVPO(Algorithm):
              steps: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         rows, steps = self._check_transitions(batch.plan, rows, steps)
         G1 = batch.plan.group_size
-        G = G1 - 1
         current_iteration = (int(ctx.iteration), int(ctx.epoch))
         self._cache = {k: v for k, v in self._cache.items() if (k[1], k[2]) == current_iteration}
         if self._pi is None or self._pi[0] != ctx.iteration or len(self._pi[1]) != len(batch.prompts):
             self._pi = (int(ctx.iteration), torch.full((len(batch.prompts),), float("nan")))
         reference = self.needs.reference  # the initial policy of the KL term: only with algo.kl_beta > 0
         total, infos = None, []
-        groups = [g for g in sorted(set((rows // G1).tolist())) if bool(((rows // G1 == g) & (rows % G1 < G)).any())]
+        # each group's streamed branches (its first G' rows; the reference run and rows it did not stream weigh
+        # nothing)
+        size = {g: self.group_branches(batch, g) for g in set((rows // G1).tolist())}
+        trained = torch.tensor([int(r) % G1 < size[int(r) // G1] for r in rows], dtype=torch.bool)
+        groups = [g for g in sorted(size) if bool(((rows // G1 == g) & trained).any())]
         for group in groups:  # every weight swap (old policy, reference) before any graph is built
             self._group_scores(ctx, batch, group, "old")
             if reference:
                 self._group_scores(ctx, batch, group, "init")
-            if int(((rows // G1 == group) & (rows % G1 < G)).sum()) < G:
+            if int(((rows // G1 == group) & trained).sum()) < size[group]:
                 self._group_scores(ctx, batch, group, "current")
         for group in groups:
-            members = rows[(rows // G1 == group) & (rows % G1 < G)]
+            G = size[group]
+            members = rows[(rows // G1 == group) & trained]
             old = self._group_scores(ctx, batch, group, "old")
             init = self._group_scores(ctx, batch, group, "init") if reference else None
             adv = batch.advantages[group * G1: group * G1 + G].detach().float().cpu()
@@ -309,16 +414,18 @@ class KVPO(Algorithm):
             zero = sum(p.sum() * 0.0 for p in ctx.params)
             return zero, {}
         info = {k: sum(float(i[k]) for i in infos) / len(infos) for k in infos[0]}
+        info["branches_short"] = float(self.short_groups(batch))  # groups of the batch with fewer branches
         # the mean over groups of their losses, whatever the micro-batching: each micro-batch weighs its rows' share
         return total / (len(rows) / G1), info
 
     def gallery(self, batch: Batch) -> GalleryNotes:
         """Columns ``kvpo/pi``: each branch's probability under the policy of the update's last loss (NaN for the
         reference runs); ``kvpo/routed_from`` / ``kvpo/routed_to``: the pixel frames its routed blocks cover (NaN for
-        the reference runs); ``kvpo/branch``: the branch index (-1: the reference run). Notes ``branch g  pi 0.312
-        routed 13-20`` for a branch, ``reference run`` for the unrouted one. Marks: each group's routed pixel frames,
-        on its reference run too (there they are the same frames generated unrouted, so a group's rows show the same
-        frames side by side)."""
+        the reference runs); ``kvpo/branch``: the branch index (-1: the reference run; NaN: a row its group did not
+        stream, its pool holding fewer distinct selections). Notes ``branch g  pi 0.312  routed 13-20`` for a branch
+        (``noise 13-20`` with ``algo.branch_source=noise``), ``reference run`` for the unrouted one, ``not
+        streamed`` for an unused row. Marks: each group's routed pixel frames, on its reference run too (there they
+        are the same frames generated unrouted, so a group's rows show the same frames side by side)."""
         columns = self._gallery_columns(batch)
         return GalleryNotes(columns=columns, notes=self._gallery_notes(batch, columns),
                             marks=self._gallery_marks(batch, columns))
@@ -328,10 +435,12 @@ class KVPO(Algorithm):
         pi = self._pi[1] if self._pi is not None and len(self._pi[1]) == n else torch.full((n,), float("nan"))
         start = torch.full((n,), float("nan"))
         end = torch.full((n,), float("nan"))
-        branch = torch.tensor([-1.0 if r % G1 == G1 - 1 else float(r % G1) for r in range(n)])
+        streamed = [r % G1 < self.group_branches(batch, r // G1) for r in range(n)]
+        branch = torch.tensor([-1.0 if r % G1 == G1 - 1 else float(r % G1) if streamed[r] else float("nan")
+                               for r in range(n)])
         t = batch.extras["temporal_factor"]  # the model's pixel frames per latent frame (the rollout recorded it)
         for r in range(n):
-            if r % G1 != G1 - 1:
+            if r % G1 != G1 - 1 and streamed[r]:
                 plan = batch.extras["routing"][r // G1]
                 # latent frame f holds pixel frames t·f - t + 1 .. t·f (frame 0: pixel 0)
                 start[r] = max(0, t * plan.fork_frame - t + 1)
@@ -341,14 +450,18 @@ class KVPO(Algorithm):
     @staticmethod
     def _gallery_notes(batch: Batch, columns: dict[str, torch.Tensor]) -> list[list[str]]:
         notes = []
+        how = "noise" if batch.extras.get("branch_source", "routed") == "noise" else "routed"
         for r in range(len(batch.prompts)):
-            g = int(columns["kvpo/branch"][r])
-            if g < 0:
+            b = float(columns["kvpo/branch"][r])
+            if math.isnan(b):
+                notes.append(["not streamed"])
+                continue
+            if b < 0:
                 notes.append(["reference run"])
                 continue
             pi = float(columns["kvpo/pi"][r])
-            notes.append([f"branch {g}"] + ([] if math.isnan(pi) else [f"pi {pi:.3f}"])
-                         + [f"routed {int(columns['kvpo/routed_from'][r])}-{int(columns['kvpo/routed_to'][r])}"])
+            notes.append([f"branch {int(b)}"] + ([] if math.isnan(pi) else [f"pi {pi:.3f}"])
+                         + [f"{how} {int(columns['kvpo/routed_from'][r])}-{int(columns['kvpo/routed_to'][r])}"])
         return notes
 
     @staticmethod
@@ -356,7 +469,7 @@ class KVPO(Algorithm):
         G1 = batch.plan.group_size
         marks = torch.stack([columns["kvpo/routed_from"], columns["kvpo/routed_to"]], dim=1)
         for r in range(G1 - 1, len(batch.prompts), G1):
-            marks[r] = marks[r - 1]
+            marks[r] = marks[r - G1 + 1]  # the group's first branch (always streamed)
         return marks
 
     def end_iteration(self, ctx: UpdateContext | None = None) -> None:
@@ -387,10 +500,14 @@ class KVPO(Algorithm):
         """The banner's account of the branches and their advantages (``BranchingConfig``), for every algorithm
         training KVPO's routed branches."""
         c = self.cfg
-        return (f"{self.num_chunks} blocks × {self.num_steps} steps; groups of branches + 1 reference run with shared "
-                f"noise, {c.routed_blocks} routed blocks (nearest {c.nearest_m}, fork {c.fork}), advantages local "
-                f"({c.local_reward}) {c.w_local:g} + global {c.w_global:g} (clip ±{c.adv_clip:g}, std floor "
-                f"{c.adv_std_floor:g})")
+        branches = (f"with shared noise, {c.routed_blocks} routed blocks (nearest {c.nearest_m}, fork {c.fork})"
+                    if c.branch_source == "routed" else
+                    f"unrouted, a fresh noise draw in {c.routed_blocks} blocks from the fork (the noise control; fork "
+                    f"{c.fork})")
+        source = "the aggregate reward" if c.advantage_from == "aggregate" else "each component"
+        return (f"{self.num_chunks} blocks × {self.num_steps} steps; groups of branches + 1 reference run {branches}, "
+                f"advantages from {source}, local ({c.local_reward}) {c.w_local:g} + global {c.w_global:g} (clip "
+                f"±{c.adv_clip:g}, std floor {c.adv_std_floor:g})")
 
     def describe(self) -> str:
         c = self.cfg

@@ -10,7 +10,9 @@ AWM = arXiv 2509.25050): with the same branches, the same advantages and the sam
 learning is the objective's; against streaming AWM on its own independent streams, it is the exploration's.
 
 * **Rollout, advantages, gallery**: KVPO's (:class:`~flowgrpo.algorithms.kvpo.BranchedRollout`, reference-relative
-  fused advantages, ``algo.fork``, ``algo.local_reward``, ``algo.adv_std_floor``: :class:`BranchingConfig`), the
+  fused advantages, ``algo.fork``, ``algo.local_reward``, ``algo.adv_std_floor``, ``algo.advantage_from``,
+  ``algo.branch_source``: :class:`BranchingConfig`; with ``branch_source=noise`` the branches and the loss's
+  forward are unrouted, the branches differing by their noise in the blocks from the fork), the
   branches streamed with the run's guidance as KVPO streams them. The rollout samples with the trained weights (AWM
   is on-policy; its trust region is the EMA below, not an old policy).
 * **Trained blocks**: those KVPO's TVE replays, from each group's fork the routed blocks (``algo.replay_blocks``
@@ -44,7 +46,6 @@ from ..base import Batch, UpdateContext
 from ..losses import keyed_noise, renoise
 from ..stream_awm import AWMUpdateConfig, StreamingTrustRegion, stratified_sigmas
 from .algorithm import KVPO, BranchingConfig
-from .routing import route_fn
 
 __all__ = ["KVPOAWMConfig", "KVPOAWM"]
 
@@ -92,7 +93,9 @@ class KVPOAWM(StreamingTrustRegion, KVPO):
         cfg = self.cfg
         rows, steps = self._check_transitions(batch.plan, rows, steps)
         G1 = batch.plan.group_size
-        rows = rows[rows % G1 < G1 - 1]                              # the branches; the reference runs weigh nothing
+        # the streamed branches; the reference runs (and rows a group with fewer branches did not stream) weigh nothing
+        rows = rows[torch.tensor([int(r) % G1 < self.group_branches(batch, int(r) // G1) for r in rows],
+                                 dtype=torch.bool)]
         if not len(rows):
             return sum(p.sum() * 0.0 for p in ctx.params), {}
         x0 = batch.latents[rows, :, -1]                               # [b, K, C, F, h, w] the committed blocks
@@ -104,7 +107,7 @@ class KVPOAWM(StreamingTrustRegion, KVPO):
         eps = keyed_noise(x0, gens)
         x_t = renoise(x0.flatten(0, 1), sigma.flatten(), eps.flatten(0, 1))[0].view_as(x0)
         plans = batch.extras["routing"]
-        routes = [route_fn(plans[r // G1], r % G1) for r in rows.tolist()]
+        routes = [self.branch_route(batch, r) for r in rows.tolist()]  # None: a noise branch's unrouted context
         trained = torch.zeros(len(rows), K, dtype=torch.bool)        # the blocks KVPO's TVE replays
         for i, r in enumerate(rows.tolist()):
             fork = int(batch.extras["fork_block"][r])
@@ -128,6 +131,7 @@ class KVPOAWM(StreamingTrustRegion, KVPO):
         adv = adv.to(x0.device)[:, None].expand(len(rows), K)[trained]
         loss, info = awm_objective(v, (eps - x0)[trained], sigma[trained], adv, cfg, v_ema, v_ref)
         info["sigma_mean"] = sigma[trained].mean().detach()
+        info["branches_short"] = float(self.short_groups(batch))  # groups of the batch with fewer branches
         return loss, info
 
     def describe(self) -> str:

@@ -34,7 +34,8 @@ normalised by its logsumexp, so raw scores or log-policies may be passed);
     ``L = −mean_g min(ρ_g·A_g, clip(ρ_g, 1 − 0.1, 1 + 0.2)·A_g) + β·Σ_g π_θ(g)·(log π_θ(g) − log π_init(g))``
 
 with ``β = 10`` and ``π_init`` the policy of the initial weights. When no branch beats the reference branch on
-any signal, the loss is halved. The official code ("mechanism_2") writes this as a softmax over the ``G``
+any signal, the loss is halved ("beats": a higher raw aggregate reward, local or global, as the official code
+compares; the caller decides, :meth:`~flowgrpo.algorithms.kvpo.KVPO.advantages`). The official code ("mechanism_2") writes this as a softmax over the ``G``
 log-policies plus one extra zero logit, scaling the loss by ``1 − π_extra``; since the ``G`` probabilities sum to
 one, ``π_extra = 1/(1 + 1) = 1/2`` exactly, and the scale is 1 when some branch wins (the extra logit is −∞).
 It is implemented as what it computes: a factor 1/2.

@@ -29,6 +29,15 @@ class BranchedRollout(Rollout):
     (copied, computed once) and a branch differs from it only by what its routed blocks attended (and, after the
     fork, by the float rounding of another batch).
 
+    A group whose routing plan has ``G' < G`` distinct selections (a small pool, :func:`plan_routing`) streams its
+    first ``G'`` branches only; its other branch rows keep the reference run's blocks and weigh nothing
+    (``extras["active_branch"]``: the rows streamed as branches).
+
+    With ``algo.branch_source=noise`` (the control of routing) the branches fork at the same block and stream the
+    same blocks after it, all under the unrouted context; each draws fresh noise (initial and re-noise draws) in the
+    plan's ``P`` blocks from the fork, where a routed branch attends its own frames, and shares the group's noise in
+    every other block, as a routed branch does. Every branch streams (the plan's selections are not used).
+
     With ``algo.local_reward=blocks`` each row's metadata (a copy) names its group's routed pixel frames as its
     ``window``, which the long-video reward scores on their own (``window/<name>``).
 
@@ -41,7 +50,8 @@ class BranchedRollout(Rollout):
     The velocity is the one the update replays with (the training guidance, ``Needs.training_guidance``), so a
     branch's replay under its own routing reproduces what it recorded. The draws (routing plans, initial noise and
     re-noise) come from the generators an update context gives at inner epoch 0,
-    ``(trainer.seed, ALGO_STREAM, iteration, 0, prompt index, k)``.
+    ``(trainer.seed, ALGO_STREAM, iteration, 0, prompt index, k)``; a noise branch ``g``'s own draws
+    ``(..., prompt index, 2, g)``.
 
     Args:
         algorithm: the :class:`KVPO` whose plans it samples (its routing options and ``routing_plan``).
@@ -84,7 +94,8 @@ class BranchedRollout(Rollout):
         groups = n // G1
         K, S = algo.num_chunks, algo.num_steps
         segments = batch.cond.segments
-        plans, forks = [], []
+        routed = algo.cfg.branch_source == "routed"
+        plans, forks, streamed = [], [], []
         for p in range(groups):
             gid = int(batch.global_rows[p * G1]) // G1
             # the draw depends on the run's seed, the iteration and the prompt's global index alone
@@ -93,6 +104,9 @@ class BranchedRollout(Rollout):
                                    iteration=int(iteration), prompt_index=gid)
             plans.append(rp)
             forks.append(rp.fork_frame // layout["block_frames"])
+            if routed:  # as many branches as distinct selections (noise branches need none)
+                algo.note_short(rp)
+            streamed.append(min(G, rp.num_branches) if routed else G)
         if algo.cfg.local_reward == "blocks":  # the reward also scores each group's routed frames (window/<name>)
             if batch.metadata is None:
                 raise ValueError("algo.local_reward=blocks scores the routed frames named in each stream's metadata; "
@@ -105,6 +119,24 @@ class BranchedRollout(Rollout):
         gens = [self._generator(iteration, int(batch.global_rows[p * G1]) // G1, 0) for p in range(groups)]
         noise = self.model.noise(len(gens), gens)  # [groups, K, C, F, h, w]
         renoise = torch.stack([torch.randn((K, S - 1, *noise.shape[2:]), generator=g) for g in gens]).to(noise.device)
+        own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # noise branches: row -> its draws in its P blocks
+        if not routed:
+            for p in range(groups):
+                P = min(plans[p].blocks, K - forks[p])
+                for g in range(G):
+                    gen = self._generator(iteration, int(batch.global_rows[p * G1]) // G1, 2, g)
+                    own[p * G1 + g] = (torch.randn((P, *noise.shape[2:]), generator=gen).to(noise.device),
+                                       torch.randn((P, S - 1, *noise.shape[2:]), generator=gen).to(noise.device))
+
+        def draws(rows: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """Block ``k``'s initial noise and re-noise draws of branch ``rows``: the group's, or a noise branch's own
+            in its ``P`` blocks from the fork."""
+            groups_of = torch.tensor([r // G1 for r in rows])
+            x, z = noise[groups_of, k:k + 1], renoise[groups_of, k:k + 1]  # copies (indexed)
+            for i, r in enumerate(rows):
+                if r in own and 0 <= k - forks[r // G1] < len(own[r][0]):
+                    x[i, 0], z[i, 0] = own[r][0][k - forks[r // G1]], own[r][1][k - forks[r // G1]]
+            return x, z
         # Self-Forcing's sampler, recording each step's clean prediction (the TVE replay compares against them)
         sample = dict(sigmas=plan.sigmas, sde_mask=stream_sde_mask(S), kernel="cps", noise_level=1.0, record_x0=True)
 
@@ -120,7 +152,8 @@ class BranchedRollout(Rollout):
         # ... and the branches take over from their fork, block by block, at most algo.branch_batch rows at a time
         # (each holds a KV cache); within a chunk, rows join at their own group's fork, so each call makes one block
         # and the write pass after it is this loop's
-        order = sorted((p * G1 + g for p in range(groups) for g in range(G)), key=lambda r: (forks[r // G1], r))
+        order = sorted((p * G1 + g for p in range(groups) for g in range(streamed[p])),
+                       key=lambda r: (forks[r // G1], r))
         size = algo.cfg.branch_batch or len(order)
         for chunk in (order[i:i + size] for i in range(0, len(order), size)):
             active: list[int] = []  # branch rows being streamed, in the order of `cond`
@@ -132,7 +165,8 @@ class BranchedRollout(Rollout):
                     cond = start if cond is None else type(start).cat([cond, start])
                     active += joining
                 idx = torch.tensor(active)
-                route = stacked_route_fn([plans[r // G1] for r in active], [r % G1 for r in active])
+                route = (stacked_route_fn([plans[r // G1] for r in active], [r % G1 for r in active]) if routed
+                         else None)  # noise branches: the unrouted context
 
                 def velocity(x, sigma, cond):
                     with adapter.wan.routed(route):
@@ -142,9 +176,8 @@ class BranchedRollout(Rollout):
                     with adapter.wan.routed(route):
                         return adapter.commit(x0_k, cond)
 
-                groups_of = idx // G1
-                part = chunked_rollout(velocity, commit, noise[groups_of, k:k + 1], cond=cond,
-                                       step_noise=renoise[groups_of, k:k + 1], keep_cond=False, **sample)
+                x_k, z_k = draws(active, k)
+                part = chunked_rollout(velocity, commit, x_k, cond=cond, step_noise=z_k, keep_cond=False, **sample)
                 latents[idx, k], x0[idx, k], log_probs[idx, k] = part.latents[:, 0], part.x0[:, 0], part.log_probs[:, 0]
                 if k + 1 < K:
                     cond = commit(part.final[:, 0], cond)
@@ -152,9 +185,11 @@ class BranchedRollout(Rollout):
         batch.final = batch.latents[:, :, -1]
         batch.chunk_conds = None
         keep = HostCopy.of if self.offload_context else (lambda cond: cond)  # the replay's start, for the update
-        batch.nfe = (groups * K + G * sum(K - f for f in forks)) * S
+        batch.nfe = (groups * K + sum(b * (K - f) for b, f in zip(streamed, forks))) * S
         fork_rows = torch.tensor([forks[r // G1] for r in range(n)], dtype=torch.long)
-        batch.extras.update({"x0": x0, "routing": plans, "fork_block": fork_rows,
+        active_rows = torch.tensor([r % G1 < streamed[r // G1] for r in range(n)], dtype=torch.bool)
+        batch.extras.update({"x0": x0, "routing": plans, "fork_block": fork_rows, "active_branch": active_rows,
+                             "branch_source": algo.cfg.branch_source,
                              "fork_segment": segments[torch.arange(n), fork_rows],
                              "fork_cond": [keep(at_fork[f][p]) for p, f in enumerate(forks)],
                              "temporal_factor": adapter.temporal_factor})

@@ -52,12 +52,23 @@ average, consecutive ones at most 1. (The official shift ``max(1, L // G)`` pack
 ``G·shift`` entries: with its pool of 14 every pair of consecutive branches shares 4 of 5 frames and a pair shares
 2.14 on average; spread evenly, 1.36.)
 
+**No two branches attend the same frames.** Windows of ``n < L`` entries at different starts are different sets, so
+with ``L ≥ G`` the ``G`` windows are ``G`` distinct selections (the official pool, 14 frames for ``K = 8``, always
+has ``L ≥ G``). A pool smaller than ``G`` has only ``L`` distinct windows: the plan takes each once (starts
+``0 … L − 1``, the same stride rule), then more selections of ``n`` pool frames, each drawn uniformly among the
+``n``-subsets no branch has yet, until ``G`` branches or all ``C(L, n)`` subsets are taken. When ``C(L, n) < G`` the
+plan has fewer branches than asked (:attr:`RoutingPlan.requested_branches` keeps the number asked): two branches
+with the same selection would stream the same video, tie in every reward and TVE score, and only dilute the group
+(the official code, whose pools are never smaller than ``K``, never has two). The frame-use and overlap bounds above
+hold for ``L ≥ G``.
+
 The official code maps planned frames to ring-buffer slots one block late once the buffer has rolled (the routed
 frames are the planned ones plus ``b``); addressing by position has no such offset, which the tests check.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -88,6 +99,8 @@ class RoutingPlan:
         positions_per_branch: ``G`` ascending lists of the ``n`` older absolute frame positions of each branch.
         pool_start, pool_end: the older frames were drawn from ``[pool_start, pool_end)``.
         eligible_forks: every fork frame that was eligible (the fork was drawn uniformly from them).
+        requested_branches: the ``G`` asked for; more than :attr:`num_branches` when the pool holds fewer distinct
+            selections than that (0: as many as the plan has).
     """
 
     fork_frame: int
@@ -100,6 +113,7 @@ class RoutingPlan:
     pool_start: int
     pool_end: int
     eligible_forks: list[int] = field(default_factory=list)
+    requested_branches: int = 0
 
     @property
     def end_frame(self) -> int:
@@ -109,6 +123,11 @@ class RoutingPlan:
     @property
     def num_branches(self) -> int:
         return len(self.positions_per_branch)
+
+    @property
+    def missing_branches(self) -> int:
+        """Branches asked for that the pool could not give distinct selections (0 almost always)."""
+        return max(0, self.requested_branches - self.num_branches)
 
     @property
     def num_older(self) -> int:
@@ -178,7 +197,7 @@ def plan_routing(
         num_frames: latent frames of the stream.
         block_frames, sink_frames, window_frames: the stream's geometry (``CausalWan``'s arguments; the window
             counts the newest frames including the block).
-        num_branches: ``G``.
+        num_branches: ``G``: distinct selections asked for (fewer when the pool has fewer ``n``-subsets).
         routed_blocks: ``P``, consecutive routed blocks from the fork.
         nearest_m: frames just before each routed block it keeps attending (the official ``m`` minus
             ``block_frames``: 1 for its 4 with blocks of 3). ``n = window_frames − block_frames − nearest_m``
@@ -201,7 +220,7 @@ def plan_routing(
             old motion while its prompt asks the new one).
 
     Returns:
-        the :class:`RoutingPlan`.
+        the :class:`RoutingPlan`: ``min(G, C(L, n))`` pairwise distinct selections (``L``: the pool's size).
     """
     num_frames = _check_int("num_frames", num_frames, 1)
     block_frames = _check_int("block_frames", block_frames, 1)
@@ -262,11 +281,41 @@ def plan_routing(
     fork, lo, hi = eligible[int(rng.integers(len(eligible)))]
     size = hi - lo
     perm = rng.permutation(size)
+    # windows of the permutation: min(G, L) distinct selections (module docstring, "No two branches ...")
     branches = [sorted(lo + int(perm[(start + i) % size]) for i in range(n))
-                for start in _branch_starts(size, num_branches, n)]
+                for start in _branch_starts(size, min(num_branches, size), n)]
+    if num_branches > size:  # a pool smaller than G: other distinct n-subsets, drawn after the permutation
+        branches += [[lo + i for i in chosen] for chosen in
+                     _more_selections(rng, size, n, num_branches - size, [[p - lo for p in b] for b in branches])]
     return RoutingPlan(fork_frame=fork, blocks=routed_blocks, block_frames=block_frames, sink_frames=sink_frames,
                        window_frames=window_frames, nearest_m=nearest_m, positions_per_branch=branches,
-                       pool_start=lo, pool_end=hi, eligible_forks=[e[0] for e in eligible])
+                       pool_start=lo, pool_end=hi, eligible_forks=[e[0] for e in eligible],
+                       requested_branches=num_branches)
+
+
+#: up to this many n-subsets of a pool are listed and drawn from; a larger pool is drawn from by rejection
+_LISTED_SUBSETS = 20_000
+
+
+def _more_selections(rng: np.random.Generator, size: int, n: int, wanted: int,
+                     taken: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Up to ``wanted`` more ascending ``n``-subsets of ``range(size)``, none in ``taken`` nor repeated, each drawn
+    uniformly among those left (all of them when fewer are left)."""
+    have = {tuple(sorted(t)) for t in taken}
+    left = math.comb(size, n) - len(have)
+    wanted = min(wanted, left)
+    if wanted <= 0:
+        return []
+    if math.comb(size, n) <= _LISTED_SUBSETS:
+        rest = [c for c in itertools.combinations(range(size), n) if c not in have]
+        return [list(rest[int(i)]) for i in rng.choice(len(rest), size=wanted, replace=False)]
+    out: list[list[int]] = []
+    while len(out) < wanted:  # far more subsets than branches: a repeat is rare
+        c = tuple(sorted(int(i) for i in rng.choice(size, size=n, replace=False)))
+        if c not in have:
+            have.add(c)
+            out.append(list(c))
+    return out
 
 
 def _branch_starts(size: int, branches: int, n: int) -> list[int]:
