@@ -23,6 +23,8 @@ Reference choices, read in the published trainers' code:
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 __all__ = ["group_advantages", "slas_advantages", "weighted_advantages", "advantage_stats", "component_group_stats",
@@ -168,16 +170,43 @@ def advantage_stats(advantages: torch.Tensor, rewards: torch.Tensor, group_size:
     return {k: float(v) for k, v in stats.items()}
 
 
-def component_group_stats(components: dict[str, torch.Tensor], names, group_size: int) -> dict[str, float]:
+def component_group_stats(components: dict[str, torch.Tensor], names, group_size: int,
+                          advantages: torch.Tensor | None = None) -> dict[str, float]:
     """Per-component spread within groups, whatever the aggregator (how saturated each reward term is):
-    ``{name}/zero_std_group_fraction`` (groups where that component is constant: it ranks nobody there) and
-    ``{name}/group_std_mean`` (mean within-group population std), for each of ``names``."""
+    ``{name}/zero_std_group_fraction`` (groups where that component is constant: it ranks nobody there),
+    ``{name}/group_std_mean`` (mean within-group population std) and ``{name}/hoyer`` (mean over groups of the Hoyer
+    sparsity of its raw scores, TaRoS's saturation measure, arXiv 2511.19356: near 0 = compressed), for each of
+    ``names``. With the final ``advantages`` ``[N]``: ``{name}/adv_corr``, the within-group Pearson correlation of
+    the advantage with that component's own group advantage (equivalently its raw score), averaged over the groups
+    where both vary (NaN when there is none) — how much of each term the update actually follows."""
+    from rewards.aggregate import hoyer_sparsity
+
     out = {}
+    adv = None if advantages is None else _groups(advantages, group_size, "advantages").cpu()
     for name in names:
-        zero_std, group_std = _group_spread(_groups(components[name], group_size, name))
+        r = _groups(components[name], group_size, name).cpu()
+        zero_std, group_std = _group_spread(r)
         out[f"{name}/zero_std_group_fraction"] = float(zero_std)
         out[f"{name}/group_std_mean"] = float(group_std)
+        out[f"{name}/hoyer"] = float(hoyer_sparsity(r).mean())
+        if adv is not None:
+            out[f"{name}/adv_corr"] = _within_group_correlation(adv, r)
     return out
+
+
+def _within_group_correlation(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over groups of the Pearson correlation of ``a`` and ``b`` (both ``[P, G]``), over the groups where
+    both vary; NaN when none does."""
+    if a.shape != b.shape:
+        raise ValueError(f"{tuple(a.shape)} advantages for {tuple(b.shape)} rewards")
+    live = (a.amax(dim=1) > a.amin(dim=1)) & (b.amax(dim=1) > b.amin(dim=1))
+    a = a - a.mean(dim=1, keepdim=True)
+    b = b - b.mean(dim=1, keepdim=True)
+    na, nb = a.pow(2).sum(dim=1).sqrt(), b.pow(2).sum(dim=1).sqrt()
+    if not live.any():
+        return float("nan")
+    corr = (a * b).sum(dim=1)[live] / (na[live] * nb[live])
+    return float(corr.clamp(-1.0, 1.0).mean())
 
 
 class RewardAggregator:
@@ -185,11 +214,16 @@ class RewardAggregator:
 
     * ``per_reward`` — one group advantage per weighted component, combined with normalised weights
       (:func:`weighted_advantages`; DanceGRPO / MixGRPO ``advantage_aggr``);
-    * ``taros`` — :class:`rewards.aggregate.TaRoS` (saturation-aware normalisation, intra-group sparsity), whose
-      running spread is part of the training state (:meth:`state_dict`) and whose diagnostics are logged.
+    * ``taros`` — :class:`rewards.aggregate.TaRoS`, the paper's method (arXiv 2511.19356 v4): per-group softmax
+      weights over the components in ``reward.aggregate.taros.order``; it **ignores the components' weights** (a
+      weight of 0 still keeps a component out of training), and says so when they differ;
+    * ``saturation_weighted`` — :class:`rewards.aggregate.SaturationWeighted`, this project's own aggregator
+      (saturation-aware normalisation, intra-group sparsity), the one the earlier "TaRoS" results measured.
 
-    (``sum``, the default, needs no aggregator: the algorithm normalises the weighted sum like any reward.)
-    Always called on the gathered global batch, so every process computes the same advantages.
+    The two stateful ones (TaRoS's threshold calibration, the running spread of ``saturation_weighted``) are part
+    of the training state (:meth:`state_dict`); their diagnostics are logged. (``sum``, the default, needs no
+    aggregator: the algorithm normalises the weighted sum like any reward.) Always called on the gathered global
+    batch, so every process computes the same advantages.
 
     Args:
         aggregate: the ``reward.aggregate`` config node.
@@ -198,38 +232,75 @@ class RewardAggregator:
     """
 
     def __init__(self, aggregate, weights: dict[str, float], *, global_std: bool = False, clip: float | None = 5.0):
-        from rewards.aggregate import TaRoS
+        from rewards.aggregate import SaturationWeighted, TaRoS
 
         self.name = str(aggregate.name)
         self.weights = dict(weights)
         self.global_std, self.clip = bool(global_std), clip
-        self.taros = None
-        if self.name == "taros":
+        self.method = None  # the stateful aggregator (taros, saturation_weighted); None for per_reward
+        self.components = [k for k, w in self.weights.items() if w > 0]  # the trained ones, in the aggregator's order
+        if self.name == "saturation_weighted":
             bounds = {k: tuple(v) for k, v in dict(aggregate.bounds or {}).items()}
-            self.taros = TaRoS(self.weights, tau=aggregate.tau, kappa=aggregate.kappa, ema_decay=aggregate.ema_decay,
-                               bounds=bounds, headroom_min=aggregate.headroom_min, renorm=aggregate.renorm, clip=clip)
+            self.method = SaturationWeighted(self.weights, tau=aggregate.tau, kappa=aggregate.kappa,
+                                             ema_decay=aggregate.ema_decay, bounds=bounds,
+                                             headroom_min=aggregate.headroom_min, renorm=aggregate.renorm, clip=clip)
+        elif self.name == "taros":
+            t = aggregate.taros
+            order = [str(k) for k in (t.order or [])]
+            if order and sorted(order) != sorted(self.components):
+                raise ValueError(f"reward.aggregate.taros.order={order} must list each trained component once (those "
+                                 f"with a weight > 0): {self.components}")
+            self.components = order or self.components
+            tau = {str(k): float(v) for k, v in dict(t.tau or {}).items()}
+            unknown = sorted(set(tau) - set(self.components))
+            if unknown:
+                raise KeyError(f"reward.aggregate.taros.tau names {unknown}, which are not trained components; "
+                               f"trained: {self.components}")
+            if t.thresholds == "stage_gates" and self.components[-1] in tau:
+                raise KeyError(f"reward.aggregate.taros.tau names {self.components[-1]!r}, the last component of "
+                               "reward.aggregate.taros.order: with thresholds=stage_gates it has no gate")
+            if len({self.weights[k] for k in self.components}) > 1:
+                warnings.warn(f"reward.aggregate.name=taros ignores the components' weights "
+                              f"{ {k: self.weights[k] for k in self.components} }: the paper's TaRoS (arXiv 2511.19356) "
+                              "weighs them by its own per-group softmax (logged as taros/<component>/weight)",
+                              UserWarning, stacklevel=2)
+            self.method = TaRoS(self.components, tau=tau, beta=t.beta, performance_sign=t.performance_sign,
+                                thresholds=t.thresholds, calibration_iterations=t.calibration_iterations,
+                                calibration_quantile=t.calibration_quantile, clip=clip, global_std=global_std)
         elif self.name != "per_reward":
-            raise ValueError(f"reward.aggregate.name={self.name!r}: RewardAggregator handles per_reward and taros")
+            raise ValueError(f"reward.aggregate.name={self.name!r}: RewardAggregator handles per_reward, taros and "
+                             "saturation_weighted")
 
     def __call__(self, components: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
         """Float32 advantages ``[N]`` from the gathered components ``{name: [N]}``."""
         missing = sorted(set(self.weights) - set(components))
         if missing:
             raise KeyError(f"reward components {missing} have a weight but were not scored; scored: {sorted(components)}")
-        if self.taros is not None:
-            return self.taros({k: components[k] for k in self.weights}, group_size)
+        if self.name == "taros":
+            return self.method({k: components[k] for k in self.components}, group_size)
+        if self.method is not None:
+            return self.method({k: components[k] for k in self.weights}, group_size)
         return weighted_advantages(components, self.weights, group_size, clip=self.clip, global_std=self.global_std)
 
     def diagnostics(self) -> dict[str, float]:
-        """TaRoS's per-component scalars of the last call (empty for ``per_reward``)."""
-        return {} if self.taros is None else self.taros.diagnostics()
+        """The aggregator's scalars of the last call (empty for ``per_reward``)."""
+        return {} if self.method is None else self.method.diagnostics()
 
     def state_dict(self) -> dict:
-        return {"name": self.name, "taros": None if self.taros is None else self.taros.state_dict()}
+        return {"name": self.name, "state": None if self.method is None else self.method.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("name") != self.name:
-            raise ValueError(f"checkpoint aggregated rewards with {state.get('name')!r}, this run with {self.name!r} "
+        saved, inner = state.get("name"), state.get("state")
+        if "state" not in state and "taros" in state:  # written before TaRoS followed the paper: that was
+            inner = state["taros"]  # saturation_weighted (its state holds a running spread), or per_reward (None)
+            if saved == "taros":
+                if self.name != "saturation_weighted":
+                    raise ValueError("the checkpoint aggregated rewards with the aggregator named 'taros' before "
+                                     "TaRoS followed arXiv 2511.19356, now reward.aggregate.name=saturation_weighted: "
+                                     f"resume with that, not {self.name!r}")
+                saved = "saturation_weighted"
+        if saved != self.name:
+            raise ValueError(f"checkpoint aggregated rewards with {saved!r}, this run with {self.name!r} "
                              "(reward.aggregate.name)")
-        if self.taros is not None:
-            self.taros.load_state_dict(state["taros"])
+        if self.method is not None:
+            self.method.load_state_dict(inner)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import II, MISSING, DictConfig, OmegaConf
+from omegaconf import II, MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from samplers import KERNELS, SOLVERS
@@ -180,17 +180,44 @@ class AlgoConfig:
 
 
 @dataclass
+class TaRoSConfig:
+    """The paper's TaRoS (arXiv 2511.19356 v4, Sec. 4; ``reward.aggregate.name=taros``, ``rewards.aggregate.TaRoS``):
+    per group, softmax weights from each component's mean against its threshold and its Hoyer sparsity. It ignores
+    the components' weights (a weight of 0 still keeps a component out)."""
+
+    # the trained components from first to last priority (the paper: visual quality, motion, text alignment);
+    # [] = the reward's component order
+    order: List[str] = field(default_factory=list)
+    # fixed thresholds tau_j, {component: value} (the paper: 0.68-0.75 on [0, 1] scores); unnamed ones are calibrated
+    tau: Dict[str, float] = field(default_factory=dict)
+    calibration_iterations: int = _knob(5, ge=1)  # iterations whose group means calibrate an unnamed tau_j
+    calibration_quantile: float = _knob(0.5, ge=0, le=1)  # the quantile of those group means taken as tau_j
+    beta: float = _knob(0.3, ge=0)  # weight of the Hoyer-sparsity term (the paper: 0.1, 0.3 or 0.5)
+    # 1: h(mean - tau) as printed (a component above its threshold gains weight); -1: h(tau - mean), the stated
+    # intent of down-weighting a saturated component
+    performance_sign: int = _knob(1, choices=(1, -1))
+    # per_component: a tau_j for each component, as printed; stage_gates: K-1 gates, component j's term is
+    # h(mean_{j-1} - tau_{j-1}), the first's h(0)
+    thresholds: str = _knob("per_component", choices=("per_component", "stage_gates"))
+
+
+@dataclass
 class AggregateConfig:
     """How phase 4 turns a reward's weighted components (``reward=multi``'s sub-rewards, ``reward=long_video``'s
     aspects) into advantages (``rewards.aggregate``)."""
 
-    name: str = _knob("sum", choices=("sum", "per_reward", "taros"))  # sum: group-normalise the weighted sum
-    tau: float = _knob(0.5, ge=0)  # taros: spread floor as a fraction of its running mean
-    kappa: float = _knob(0.1, ge=0)  # taros: soft threshold on the normalised advantage
-    ema_decay: float = _knob(0.9, ge=0, le=0.999)  # taros: running-mean decay of the group spread
-    headroom_min: float = _knob(0.05, ge=0, le=1)  # taros: gate a bounded component with less headroom than this
-    renorm: str = _knob("weights", choices=("weights", "std"))  # taros: re-normalise weights or the group's std
-    bounds: Dict[str, List[float]] = field(default_factory=dict)  # taros: {component: [min, max]} for the gate
+    # sum: group-normalise the weighted sum; per_reward: weighted per-component group advantages; taros: the paper's
+    # TaRoS (reward.aggregate.taros.*); saturation_weighted: this project's own saturation-aware aggregator
+    name: str = _knob("sum", choices=("sum", "per_reward", "taros", "saturation_weighted"))
+    tau: float = _knob(0.5, ge=0)  # saturation_weighted: spread floor as a fraction of its running mean
+    kappa: float = _knob(0.1, ge=0)  # saturation_weighted: soft threshold on the normalised advantage
+    ema_decay: float = _knob(0.9, ge=0, le=0.999)  # saturation_weighted: running-mean decay of the group spread
+    # saturation_weighted: gate a bounded component with less headroom than this
+    headroom_min: float = _knob(0.05, ge=0, le=1)
+    # saturation_weighted: re-normalise the weights or the group's std
+    renorm: str = _knob("weights", choices=("weights", "std"))
+    bounds: Dict[str, List[float]] = field(default_factory=dict)  # saturation_weighted: {component: [min, max]}
+    taros: TaRoSConfig = field(default_factory=TaRoSConfig)  # the paper's TaRoS (name=taros)
 
 
 @dataclass
@@ -589,6 +616,37 @@ def _weighs_components(reward: DictConfig) -> bool:
     return reward.name == "long_video" and reward.kwargs.get("score", "mean") == "mean"
 
 
+#: the knobs of reward.aggregate that only reward.aggregate.name=saturation_weighted reads
+_SATURATION_WEIGHTED_KNOBS = ("tau", "kappa", "ema_decay", "headroom_min", "renorm", "bounds")
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
+def _aggregate_checks(agg: DictConfig, errors: list[str]) -> None:
+    """A knob of one aggregator set while another runs would be silently ignored: refuse it, naming the key."""
+    if OmegaConf.is_missing(agg, "name"):
+        return
+    default = AggregateConfig()
+    if agg.name == "taros":
+        for key in _SATURATION_WEIGHTED_KNOBS:
+            if key not in agg:
+                continue
+            value = _plain(agg[key])
+            if value != getattr(default, key):
+                errors.append(f"reward.aggregate.{key}={value!r} is a knob of reward.aggregate.name=saturation_weighted "
+                              "(this project's own aggregator), which the paper's TaRoS does not read: remove it, or "
+                              "set reward.aggregate.name=saturation_weighted; TaRoS's knobs are reward.aggregate.taros.*")
+    elif "taros" in agg and isinstance(agg.taros, DictConfig):
+        theirs = TaRoSConfig()
+        for key in agg.taros.keys():
+            value = _plain(agg.taros[key])
+            if hasattr(theirs, key) and value != getattr(theirs, key):
+                errors.append(f"reward.aggregate.taros.{key}={value!r} is read only by reward.aggregate.name=taros, "
+                              f"but reward.aggregate.name={agg.name!r}: remove it, or set reward.aggregate.name=taros")
+
+
 def _cross_checks(cfg: DictConfig, errors: list[str]) -> None:
     """Constraints between keys (each message names the keys to change)."""
     m, s, a = cfg.get("model"), cfg.get("sampler"), cfg.get("algo")
@@ -612,6 +670,8 @@ def _cross_checks(cfg: DictConfig, errors: list[str]) -> None:
         errors.append(f"reward.aggregate.name={r.aggregate.name!r} combines the weighted components of a reward, but "
                       f"reward={r.name!r} (kwargs {dict(r.kwargs)}) has one score: use reward=multi, or "
                       "reward=long_video with reward.kwargs.score=mean, or reward.aggregate.name=sum")
+    if r is not None and not OmegaConf.is_missing(r, "name"):
+        _aggregate_checks(r.aggregate, errors)
     if a is not None and r is not None and a.get("slas_gamma") is not None and not OmegaConf.is_missing(r, "name") \
             and r.aggregate.name != "sum":
         errors.append(f"algo.slas_gamma={a.slas_gamma} shapes the advantage of one reward, but "

@@ -441,10 +441,12 @@ class Trainer(RunState, HeldOut, Guards):
             out[f"reward/{k}"] = float(torch.nanmean(g)) if torch.any(~torch.isnan(g)) else float("nan")
         if batch.degenerate is not None:  # a collapsing model (all black, flat, noise) shows here first
             out["reward/degenerate_fraction"] = float(self.acc.gather(batch.degenerate.contiguous()).mean())
-        weighted = list(getattr(self.reward, "weights", None) or ())  # reward=multi: how saturated each term is
+        # reward=multi: how saturated each term is (spread, Hoyer index) and how much of it the final advantage follows
+        weighted = list(getattr(self.reward, "weights", None) or ())
         if weighted:
             out.update({f"groups/{k}": v for k, v in
-                        component_group_stats(gathered, weighted, self.cfg.trainer.group_size).items()})
+                        component_group_stats(gathered, weighted, self.cfg.trainer.group_size,
+                                              advantages=batch.global_advantages).items()})
         out.update({f"adv/{k}": v for k, v in advantage_stats(batch.global_advantages, rewards,
                                                               self.cfg.trainer.group_size).items()})
         if self.aggregator is not None:

@@ -18,7 +18,8 @@ only ``reward.aggregate.name`` differs. The composites (``--composite``):
 Aggregators: ``sum`` — the weighted sum, group-normalised like any scalar reward (Flow-GRPO's multi-score). In a
 group whose task verdicts agree (common), the sum's spread is the other terms' alone, and normalising it turns a
 tiny difference into a full-size advantage: the run optimises the easy term. ``taros`` —
-``rewards.aggregate.TaRoS`` (per-component saturation-aware normalisation, intra-group sparsity).
+``rewards.aggregate.TaRoS`` (arXiv 2511.19356: per-group softmax weights of the raw components from their means
+and Hoyer sparsity, the weighted sum standardised once); ``saturation_weighted`` and ``per_reward`` may be named too.
 
 Reported per aggregator (mean and std over seeds): every composite metric held-out before and after training
 (for the task, GenEval's overall strict and partial, the mean over tags) and, from the training rows, each
@@ -30,7 +31,6 @@ seeds, so the "before" numbers are shared by every run of a seed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -44,6 +44,8 @@ sys.path.insert(0, str(REPO))
 
 from bench_iteration import compose, pool_results  # noqa: E402
 from bench_time_to_reward import RECIPES  # noqa: E402
+
+from flowgrpo import jsonio  # noqa: E402
 
 COMPOSITES = {
     "image": {
@@ -229,9 +231,9 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"composite": args.composite, "model": model, "iterations": args.iterations, "seeds": seeds,
               "weights": weights, "overrides": composite["overrides"] + args.set,
               "wall_seconds": round(time.time() - t0, 1), "summary": summarise(runs, composite), "runs": runs}
-    args.out.write_text(json.dumps(report, indent=2))
+    args.out.write_text(jsonio.dumps(report, indent=2))
     plot(report, args.out.with_suffix(".png"))
-    print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
+    print(jsonio.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
     return report
 
 

@@ -1,5 +1,5 @@
-"""OCR (real bundled weights), video rewards, the remote client, multi-reward, the aggregators (TaRoS) and the
-``score`` CLI. CPU, offline, tiny twins built here."""
+"""OCR (real bundled weights), video rewards, the remote client, multi-reward, the aggregators (saturation_weighted;
+the paper's TaRoS: tests/test_taros_paper.py) and the ``score`` CLI. CPU, offline, tiny twins built here."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 import rewards
-from rewards.aggregate import TaRoS, per_reward_group_advantages, weighted_sum
+from rewards.aggregate import SaturationWeighted, per_reward_group_advantages, weighted_sum
 from twins import save_tiny_clip  # tests/twins.py
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -394,9 +394,9 @@ def test_per_reward_advantages_equal_the_trainers():
                                    weighted_advantages(comps, weights, 4, **kw))
 
 
-def test_taros_by_hand():
+def test_saturation_weighted_by_hand():
     R = torch.tensor([[0.0, 10.0], [2.0, 10.0], [1.0, 10.2], [1.0, 9.8]])  # one group of 4, K = 2
-    t = TaRoS({"a": 3.0, "b": 1.0}, tau=0.5, kappa=0.5, eps=0.0, clip=None)
+    t = SaturationWeighted({"a": 3.0, "b": 1.0}, tau=0.5, kappa=0.5, eps=0.0, clip=None)
     adv = t(R, group_size=4)
     # σ_a = sqrt(0.5), σ_b = sqrt(0.02); first call: σ̄ = σ, so max(σ, τσ̄) = σ
     a_a = torch.tensor([-1.0, 1.0, 0.0, 0.0]) / math.sqrt(0.5)
@@ -418,66 +418,66 @@ def test_taros_by_hand():
     assert t.diagnostics()["b/zeroed"] == 1.0  # |ã_b| < κ everywhere: b is sparse in this group
 
 
-def test_taros_down_weights_a_saturating_component():
+def test_saturation_weighted_down_weights_a_saturating_component():
     g = torch.Generator().manual_seed(0)
     P, G = 16, 8
     task = torch.randint(0, 2, (P * G,), generator=g).float()  # healthy, 0/1 rewards with spread
     history = torch.randn(P * G, generator=g)  # the jpeg-like term while it still had spread
     weights = {"task": 1.0, "hack": 1.0}
-    taros = TaRoS(weights, kappa=0.0, tau=0.5)
-    taros({"task": task, "hack": history}, G)
+    sw = SaturationWeighted(weights, kappa=0.0, tau=0.5)
+    sw({"task": task, "hack": history}, G)
     saturated = 1e-3 * torch.randn(P * G, generator=g)  # spread collapsed 1000×
     comps = {"task": task, "hack": saturated}
     plain = per_reward_group_advantages(comps, weights, G)
-    ours = taros(comps, G)
+    ours = sw(comps, G)
     task_adv = per_reward_group_advantages(comps, {"task": 1.0}, G)
     hack_adv = per_reward_group_advantages(comps, {"hack": 1.0}, G)  # unit variance: the blown-up noise
     corr = lambda x, y: float(torch.corrcoef(torch.stack([x, y]))[0, 1])  # noqa: E731
-    # plain normalisation gives the collapsed term as much say as the task; TaRoS does not
+    # plain normalisation gives the collapsed term as much say as the task; saturation_weighted does not
     assert corr(plain, hack_adv) > 0.5 and abs(corr(ours, hack_adv)) < 0.05
     assert corr(ours, task_adv) > 0.99 and corr(plain, task_adv) < 0.9
-    assert taros.diagnostics()["hack/saturation"] < 0.01
+    assert sw.diagnostics()["hack/saturation"] < 0.01
 
 
-def test_taros_single_component_preserves_ranking_and_matches_grpo():
+def test_saturation_weighted_single_component_preserves_ranking_and_matches_grpo():
     from flowgrpo.advantages import group_advantages
 
     g = torch.Generator().manual_seed(1)
     r = torch.randn(24, generator=g)
     plain = group_advantages(r, 6, clip=None)
-    adv = TaRoS({"r": 1.0}, kappa=0.0, tau=0.0)(r[:, None], 6)
+    adv = SaturationWeighted({"r": 1.0}, kappa=0.0, tau=0.0)(r[:, None], 6)
     torch.testing.assert_close(adv, plain)  # κ = 0, no floor: exactly the GRPO advantage
-    sparse = TaRoS({"r": 1.0}, kappa=0.3, tau=0.0)(r[:, None], 6).view(4, 6)
+    sparse = SaturationWeighted({"r": 1.0}, kappa=0.3, tau=0.0)(r[:, None], 6).view(4, 6)
     for rg, ag in zip(r.double().view(4, 6), sparse):
         order = rg.argsort()
         assert (ag[order].diff() >= 0).all()  # monotone in the reward: ranking preserved (ties only at 0)
         assert ((ag == 0) == ((rg - rg.mean()).abs() / (rg.std(correction=0) + 1e-4) <= 0.3)).all()
-    floored = TaRoS({"r": 1.0}, kappa=0.3)(r[:, None], 6).view(4, 6)  # with the saturation floor too
+    floored = SaturationWeighted({"r": 1.0}, kappa=0.3)(r[:, None], 6).view(4, 6)  # with the saturation floor too
     for rg, ag in zip(r.view(4, 6), floored):
         assert (ag[rg.argsort()].diff() >= 0).all()
 
 
-def test_taros_collapse_gate_renorm_and_state_round_trip():
+def test_saturation_weighted_collapse_gate_renorm_and_state_round_trip():
     R = torch.tensor([[1.0, 0.95], [1.0, 0.97], [0.0, 0.2], [1.0, 0.8]])  # group 0: a collapsed; group 1: both spread
-    t = TaRoS({"a": 1.0, "b": 1.0}, kappa=0.0, bounds={"b": (0.0, 1.0)}, headroom_min=0.1)
+    t = SaturationWeighted({"a": 1.0, "b": 1.0}, kappa=0.0, bounds={"b": (0.0, 1.0)}, headroom_min=0.1)
     adv = t(R, group_size=2).view(2, 2)
     # group 0: a has no spread (0) and b is gated (headroom (1 − 0.96)/1 < 0.1): the group contributes 0
     assert adv[0].tolist() == [0.0, 0.0] and t.diagnostics()["b/gated"] == 0.5
     assert t.diagnostics()["zero_group_fraction"] == 0.5
     assert adv[1, 0] < 0 < adv[1, 1]
-    literal = TaRoS({"a": 1.0}, kappa=0.0, renorm="std")(torch.tensor([[0.0], [1e-3]]), 2)
+    literal = SaturationWeighted({"a": 1.0}, kappa=0.0, renorm="std")(torch.tensor([[0.0], [1e-3]]), 2)
     torch.testing.assert_close(literal, torch.tensor([-1.0, 1.0]), atol=1e-3, rtol=0)  # re-amplified (the literal reading)
     state = t.state_dict()
-    fresh = TaRoS({"a": 1.0, "b": 1.0}, kappa=0.0, bounds={"b": (0.0, 1.0)}, headroom_min=0.1)
+    fresh = SaturationWeighted({"a": 1.0, "b": 1.0}, kappa=0.0, bounds={"b": (0.0, 1.0)}, headroom_min=0.1)
     fresh.load_state_dict(state)
     R2 = torch.tensor([[0.0, 0.5], [1.0, 0.1], [0.3, 0.2], [0.9, 0.4]])
     torch.testing.assert_close(fresh(R2, 2, update=False), t(R2, 2, update=False))
     torch.testing.assert_close(fresh(R2, 2), t(R2, 2))
     assert fresh.state_dict()["num_updates"] == t.state_dict()["num_updates"] == 2
     with pytest.raises(ValueError, match="components"):
-        TaRoS({"x": 1.0}).load_state_dict(state)
+        SaturationWeighted({"x": 1.0}).load_state_dict(state)
     with pytest.raises(RuntimeError, match="update=False before any update"):
-        TaRoS({"x": 1.0})(torch.zeros(2, 1), 2, update=False)
+        SaturationWeighted({"x": 1.0})(torch.zeros(2, 1), 2, update=False)
 
 
 # --------------------------------------------------------------------------------------------------- CLI
@@ -514,7 +514,9 @@ def test_component_group_stats_measure_each_terms_spread():
 
     comps = {"a": torch.tensor([1.0, 1.0, 0.0, 2.0]), "b": torch.tensor([0.5, 0.5, 0.5, 0.5]), "c": torch.zeros(4)}
     stats = component_group_stats(comps, ["a", "b"], 2)
-    assert stats == {"a/zero_std_group_fraction": 0.5, "a/group_std_mean": 0.5,
-                     "b/zero_std_group_fraction": 1.0, "b/group_std_mean": 0.0}
+    # Hoyer index of the raw scores: a's groups [1, 1] (constant: 0) and [0, 2] (one-hot: 1); b constant: 0
+    assert stats == pytest.approx({"a/zero_std_group_fraction": 0.5, "a/group_std_mean": 0.5, "a/hoyer": 0.5,
+                                   "b/zero_std_group_fraction": 1.0, "b/group_std_mean": 0.0, "b/hoyer": 0.0})
+    assert stats["b/hoyer"] == 0.0  # a constant group: exactly 0
     with pytest.raises(ValueError, match="trainer.group_size=3"):
         component_group_stats(comps, ["a"], 3)

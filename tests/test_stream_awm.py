@@ -451,10 +451,10 @@ def test_per_segment_advantages_through_the_trainer(tmp_path):
 
 
 def test_taros_on_the_long_video_aspects_through_the_trainer(tmp_path):
-    """``reward.aggregate.name=taros`` with the long-video reward: phase 4 is TaRoS over the reward's eight weighted
-    aspects (its score is their weighted mean), computed from the batch's components (the update reads advantages
-    whatever made them); a long-video reward that scores one aspect has nothing to take apart and is refused,
-    before and after it is built."""
+    """``reward.aggregate.name=taros`` with the long-video reward: phase 4 is TaRoS (the paper's, at its defaults) over
+    the reward's eight weighted aspects (its score is their weighted mean), computed from the batch's components (the
+    update reads advantages whatever made them); a long-video reward that scores one aspect has nothing to take apart
+    and is refused, before and after it is built."""
     import rewards
     from flowgrpo.build.reward import build_aggregator
     from flowgrpo.trainer import Trainer
@@ -465,7 +465,8 @@ def test_taros_on_the_long_video_aspects_through_the_trainer(tmp_path):
     assert set(trainer.aggregator.weights) == set(COMPONENTS) and len(COMPONENTS) == 8
     batch = trainer.score(trainer.rollout(trainer.plan(0), 0))
     trainer.advantage(batch)
-    reference = TaRoS(trainer.aggregator.weights, tau=0.5, kappa=0.1, ema_decay=0.9)
+    assert trainer.aggregator.components == list(trainer.aggregator.weights)  # no order given: the reward's
+    reference = TaRoS(trainer.aggregator.components)  # beta 0.3, every tau calibrated (median of the group means)
     expected = reference({k: batch.components[k] for k in COMPONENTS}, group_size=batch.plan.group_size)
     assert torch.equal(batch.global_advantages.cpu(), expected)
     assert torch.allclose(batch.rewards.cpu(), torch.stack([batch.components[k].cpu() for k in COMPONENTS]).mean(0))

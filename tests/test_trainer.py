@@ -464,31 +464,32 @@ def test_a_resume_refuses_a_config_that_changes_the_run_and_passes_harmless_chan
     assert "trainer.lr: 0.03 -> 0.01" in capsys.readouterr().out
 
 
-def test_taros_advantages_come_from_the_gathered_components_and_resume_exactly(tmp_path):
-    """reward=multi with reward.aggregate.name=taros: phase 4 is TaRoS on the components, its running spread is
-    checkpointed, its diagnostics are logged, and a resumed run continues exactly."""
-    from rewards.aggregate import TaRoS
+def test_saturation_weighted_advantages_come_from_the_gathered_components_and_resume_exactly(tmp_path):
+    """reward=multi with reward.aggregate.name=saturation_weighted: phase 4 is that aggregator on the components, its
+    running spread is checkpointed, its diagnostics are logged, and a resumed run continues exactly."""
+    from rewards.aggregate import SaturationWeighted
 
-    overrides = [*ALGOS["mix_grpo"], "reward=multi", "reward.aggregate.name=taros", "reward.aggregate.kappa=0.2",
-                 "trainer.checkpoint_every=1", "trainer.keep_checkpoints=5"]
+    overrides = [*ALGOS["mix_grpo"], "reward=multi", "reward.aggregate.name=saturation_weighted",
+                 "reward.aggregate.kappa=0.2", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=5"]
     straight = Trainer(make_cfg(tmp_path / "a", *overrides), tmp_path / "a")
     assert straight.aggregator is not None and straight.aggregator.weights == {"geneval": 1.0, "jpeg_compressibility": 0.1}
-    reference = TaRoS(straight.aggregator.weights, tau=0.5, kappa=0.2, ema_decay=0.9)
+    reference = SaturationWeighted(straight.aggregator.weights, tau=0.5, kappa=0.2, ema_decay=0.9)
     for _ in range(2):
         scalars = straight.step()
         b = straight._last_batch
         expected = reference({k: b.components[k] for k in reference.names}, group_size=2)
         assert torch.equal(b.global_advantages.cpu(), expected)
-        assert "taros/jpeg_compressibility/saturation" in scalars and "taros/zero_group_fraction" in scalars
+        assert "saturation_weighted/jpeg_compressibility/saturation" in scalars
+        assert "saturation_weighted/zero_group_fraction" in scalars
         straight.history.append(scalars)
         straight.save_checkpoint()
-    assert torch.equal(straight.aggregator.taros.sigma_ema, reference.sigma_ema)
+    assert torch.equal(straight.aggregator.method.sigma_ema, reference.sigma_ema)
 
     resumed = Trainer(make_cfg(tmp_path / "b", *overrides,
                                f"trainer.resume={tmp_path / 'a' / 'checkpoints' / 'checkpoint-000001'}"), tmp_path / "b")
-    assert resumed.maybe_resume() and resumed.iteration == 1 and resumed.aggregator.taros.num_updates == 1
+    assert resumed.maybe_resume() and resumed.iteration == 1 and resumed.aggregator.method.num_updates == 1
     resumed.step()
-    assert torch.equal(resumed.aggregator.taros.sigma_ema, straight.aggregator.taros.sigma_ema)
+    assert torch.equal(resumed.aggregator.method.sigma_ema, straight.aggregator.method.sigma_ema)
     a, b = trainable(straight), trainable(resumed)
     assert all(torch.equal(a[n], b[n]) for n in a)
 

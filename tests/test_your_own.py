@@ -123,7 +123,7 @@ def test_the_python_script_calls_the_function_and_logs_what_it_returned(project,
 @pytest.mark.usefixtures("one_thread")
 def test_several_rewards_with_the_users_own(project, calls, monkeypatch):
     """The page's ``reward=multi`` command composes and builds (its training is the command above's); its Python
-    ``MultiReward`` trains under TaRoS and logs each term."""
+    ``MultiReward`` trains under TaRoS (the paper's: it logs its softmax weights) and logs each term."""
     import flowgrpo
     import flowgrpo.api
     from flowgrpo.build import build_aggregator, build_reward
@@ -141,7 +141,7 @@ def test_several_rewards_with_the_users_own(project, calls, monkeypatch):
     runpy.run_path(str(_write(project, "both.py", block("Several rewards from Python:", "python"))))
     (row,) = metrics(project / "multi")
     assert len(calls) == 1 and row["reward/redness"] == pytest.approx(float(calls[0].mean()), rel=1e-6, abs=1e-9)
-    assert "reward/jpeg_compressibility" in row and "taros/redness/saturation" in row
+    assert "reward/jpeg_compressibility" in row and "taros/redness/weight" in row
 
 
 def test_a_bad_import_path_fails_before_any_model_loads(project):
