@@ -15,7 +15,6 @@ a plain ``pipe(...)`` call at the same NFE and batch as a full-ODE rollout of ou
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -26,6 +25,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from flowgrpo import jsonio  # noqa: E402  (strict JSON: NaN / inf as null)
 
 ALGORITHMS = {
     # Flow-GRPO as the papers run it, every SDE step trained: the ratios' denominator (the embedded world's tuned
@@ -130,8 +131,8 @@ def pool_results(fn, jobs: list, processes: int):
 
 
 def emit(report: dict, out: Path | None) -> dict:
-    """Print ``report`` as indented JSON (and write it to ``out`` when given); returns it."""
-    text = json.dumps(report, indent=2)
+    """Print ``report`` as indented strict JSON (NaN / inf as ``null``; and write it to ``out`` when given); returns it."""
+    text = jsonio.dumps(report, indent=2)
     print(text)
     if out:
         Path(out).write_text(text)

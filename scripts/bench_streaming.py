@@ -25,7 +25,6 @@ Self-Forcing reports for Wan2.1-1.3B on one H100.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 from diffusers import WanTransformer3DModel
 
+from flowgrpo import jsonio
 from flowgrpo.models import CausalWan
 from flowgrpo.models.causal_wan import teacher_forcing_mask
 from samplers import stream_noise, stream_sigmas
@@ -180,7 +180,7 @@ def main(argv=None) -> dict:
         if args.reference_fps:
             row["pixel_fps_cached"] = 4 * frames / cached_s
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(jsonio.dumps(row), flush=True)
     report = {
         "size": args.size, "device": str(device), "dtype": args.dtype, "batch": args.batch, "steps": args.steps,
         "block_frames": block, "sink_frames": spec["sink"], "window_frames": spec["window"],
@@ -192,7 +192,7 @@ def main(argv=None) -> dict:
     if args.reference_fps:
         report["reference_fps"] = args.reference_fps
         report["fps_over_reference_at_longest"] = rows[-1]["pixel_fps_cached"] / args.reference_fps
-    text_out = json.dumps(report, indent=2)
+    text_out = jsonio.dumps(report, indent=2)
     print(text_out)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

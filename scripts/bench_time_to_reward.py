@@ -33,6 +33,8 @@ sys.path.insert(0, str(REPO))
 
 from bench_iteration import ALGORITHMS, compose, pool_results, scoped  # noqa: E402
 
+from flowgrpo import jsonio  # noqa: E402  (strict JSON: NaN / inf as null)
+
 # the algorithms at their embedded-world recipes (bench_iteration's "mix_grpo_late" is a timing layout, not a
 # training recipe; its "flow_grpo" pins every step trained, the cost the papers pay, where Flow-GRPO's recipe on the
 # embedded world, experiment=flow_grpo_shapes, trains the first 3 steps). The experiment presets cannot be used
@@ -109,7 +111,7 @@ def plot(report: dict, path: Path) -> None:
         for j, r in enumerate(row["runs"]):
             xs = [p["seconds"] for p in r["curve"]]
             its = [p["iteration"] for p in r["curve"]]
-            ys = [p["value"] for p in r["curve"]]
+            ys = [jsonio.nan_to_float(p["value"]) for p in r["curve"]]  # null (not a number, as read back): NaN
             label = name if j == 0 else None
             axes[0].plot(xs, ys, color=f"C{i}", alpha=0.8, label=label)
             axes[1].plot(its, ys, color=f"C{i}", alpha=0.8, label=label)
@@ -169,7 +171,10 @@ def main(argv: list[str] | None = None) -> dict:
         report["recipes"] = {**{n: r for n, r in kept["recipes"].items() if n not in names}, **report["recipes"]}
         report["algorithms"] = {n: row for n, row in kept["algorithms"].items() if n not in names}
     # the held-out value before training per evaluation setting (Trainer.held_out_key), shared by every algorithm and seed
-    starts: dict[str, dict] = dict(kept.get("starting_values", {})) if args.merge and args.out.is_file() else {}
+    # (a value that was not a number is written null: NaN here, so that it compares with the target as NaN does)
+    starts: dict[str, dict] = ({key: {**start, "value": jsonio.nan_to_float(start["value"])}
+                                for key, start in kept.get("starting_values", {}).items()}
+                               if args.merge and args.out.is_file() else {})
     results: dict[tuple[str, int], dict] = {}
     if args.merge and args.out.is_file():
         # a benchmark stopped part-way resumes: the finished seeds of a named algorithm measured with the same row
@@ -188,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
                 report["algorithms"][n] = {**summarise(runs, len(seeds)), "overrides":
                                          [o for o in scoped(args.set, RECIPES[n]) if o not in args.set]}
         report["ratios"] = ratios(report["algorithms"], len(seeds))
-        args.out.write_text(json.dumps(report, indent=2))
+        args.out.write_text(jsonio.dumps(report, indent=2))
 
     with tempfile.TemporaryDirectory(prefix="time-to-reward-") as root:
         todo = [(name, seed) for seed in seeds for name in names if (name, seed) not in results]
@@ -201,8 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
         for result in pool_results(run_job, jobs, args.jobs):
             record(*result)
     plot(report, args.out.with_suffix(".png"))
-    print(json.dumps({**{k: {kk: vv for kk, vv in v.items() if kk != "runs"} for k, v in report["algorithms"].items()},
-                      "ratios": report["ratios"]}, indent=2))
+    print(jsonio.dumps({**{k: {kk: vv for kk, vv in v.items() if kk != "runs"} for k, v in report["algorithms"].items()},
+                        "ratios": report["ratios"]}, indent=2))
     return report
 
 

@@ -45,6 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from flowgrpo import jsonio  # noqa: E402  (strict JSON: NaN / inf as null)
 from flowgrpo.runlog import code_label, code_version  # noqa: E402  (light: no torch)
 
 
@@ -65,13 +66,16 @@ def run(arm: str, seed: int, runs: Path, extra: list[str], metrics: list[str], *
                 returncode = _run_forwarding_signals(cmd, log)
         finally:  # a signal that stops the run still leaves its clock, so a resumed run adds to it
             out.mkdir(parents=True, exist_ok=True)
-            clock.write_text(json.dumps({"seconds": spent + time.time() - start}))
+            clock.write_text(jsonio.dumps({"seconds": spent + time.time() - start}))
         if returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed (exit {returncode}); see {runs / f'{arm}_seed{seed}.log'}")
         if not _finished(summary):
             raise SystemExit(f"{out} stopped before its last iteration ({json.loads(summary.read_text())['stopped']}); "
                              "run the same command again to continue it from its checkpoint")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    # the trainer writes a value that was not a number as null (strict JSON); a bare NaN / Infinity of a run from before
+    # it did reads the same, as a missing value (else one NaN would make every mean over seeds NaN, and stdev fail)
+    rows = [json.loads(line, parse_constant=lambda constant: None)
+            for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     seconds = json.loads((out / "wall_clock.json").read_text())["seconds"]
     record = json.loads(summary.read_text())
@@ -319,7 +323,7 @@ def main(argv=None, *, description: str | None = None, defaults: dict | None = N
                       "arm_commands": {a: " ".join(["python train.py", *command_overrides(a, arms[a], args.set
                                                                                             + arm_set.get(a, []))])
                                        for a in arms}}
-            out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+            out.with_suffix(".json").write_text(jsonio.dumps(report, indent=2))
             out.with_suffix(".md").write_text(table(report["arms"], cols) + "\n")
             plot(results, out.with_suffix(".png"), shown, shown_train)
     print(table(report["arms"], cols))

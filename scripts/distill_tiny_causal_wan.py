@@ -44,7 +44,6 @@ the student's state (weights, optimizer, EMA, RNG, log) is replaced atomically i
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -59,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pretrain_tiny import ema_pipeline, lr_at, save_pipeline  # noqa: E402
 from pretrain_tiny_causal_wan import Trainer as StreamPretrainer  # noqa: E402
 
+from flowgrpo import jsonio  # noqa: E402
 from flowgrpo.models import CausalWan, StreamConfig, StreamingWanPipeline  # noqa: E402
 from flowgrpo.models.causal_wan import teacher_forcing_mask  # noqa: E402
 from flowgrpo.models.stream_adapter import StreamAdapter  # noqa: E402
@@ -327,7 +327,7 @@ class Student(StreamPretrainer):
         summary = {"script": "scripts/distill_tiny_causal_wan.py", "step": self.step, "args": args,
                    "teacher_streams": len(self.metas), "last_log": self.log[-5:]}
         save_pipeline(pipe, Path(self.args.out), summary)
-        (Path(self.args.out) / STREAM_CONFIG_NAME).write_text(json.dumps(vars(self.stream_config()), indent=2) + "\n")
+        (Path(self.args.out) / STREAM_CONFIG_NAME).write_text(jsonio.dumps(vars(self.stream_config()), indent=2) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------- probe
@@ -355,7 +355,7 @@ def probe(args, teacher: StreamingWanPipeline) -> dict:
             entry[tag] = round(float(out.scores[torch.from_numpy(tags == tag)].mean()), 4)
         entry |= {k: round(float(v.nanmean()), 4) for k, v in out.components.items()}
         report[name] = entry
-        print(f"[probe] {name}: {json.dumps(entry)}", flush=True)
+        print(f"[probe] {name}: {jsonio.dumps(entry)}", flush=True)
 
     t0 = time.time()
     own = reference_chain(data.adapter, metas, noise, renoise[:, :, :T - 1],

@@ -47,7 +47,6 @@ the training galleries' renderer.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from contextlib import nullcontext
 from functools import partial
@@ -57,6 +56,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from flowgrpo import jsonio
 from flowgrpo.build import batch_plan, build_adapter, build_prompts, build_reward, build_sampler, model_kwargs, tag_rows
 from flowgrpo.evaluation import held_out_jobs, score_jobs
 from flowgrpo.gallery import labelled_grid, to_uint8
@@ -271,7 +271,7 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     result = evaluate(args)
-    text = json.dumps(result, indent=2)
+    text = jsonio.dumps(result, indent=2)
     print(text, flush=True)
     if args.json_out:
         Path(args.json_out).write_text(text + "\n")

@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flowgrpo import jsonio
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -134,7 +136,7 @@ def main(argv=None) -> dict:
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
     report = evaluate(args)
-    text = json.dumps(report, indent=2)
+    text = jsonio.dumps(report, indent=2)
     print(text)
     if args.json_out:
         Path(args.json_out).write_text(text + "\n")

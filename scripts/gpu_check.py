@@ -118,15 +118,16 @@ def streaming(model: str) -> bool:
 def write_streams(path: Path, num_frames: int, count: int = 8) -> None:
     """``count`` prompt streams of ``num_frames`` frames in the format of ``assets/prompts/streams_*.jsonl``, each with
     one prompt switch half-way: what a streaming row trains on (``data.train_file``; the planner reads it too)."""
-    import json
+    from flowgrpo import jsonio
 
     switch = (num_frames - 1) // 2 + 1
     colours = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white"]
     with open(path, "w") as f:
         for i in range(count):
             first, then = f"a {colours[i % 8]} kite rising", f"a {colours[i % 8]} kite diving"
-            f.write(json.dumps({"prompt": f"{first}; then {then}", "num_frames": num_frames,
-                                "segments": [{"start": 0, "prompt": first}, {"start": switch, "prompt": then}]}) + "\n")
+            row = {"prompt": f"{first}; then {then}", "num_frames": num_frames,
+                   "segments": [{"start": 0, "prompt": first}, {"start": switch, "prompt": then}]}
+            f.write(jsonio.dumps(row) + "\n")
 
 
 def _sync():

@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
 from pathlib import Path
 
+from flowgrpo import jsonio
 from flowgrpo.world import MOTION_TAGS, TAGS, one_object_held_out, split_motion_prompts, split_prompts, split_stream_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _lines(rows: list[dict]) -> str:
-    return "".join(json.dumps(r) + "\n" for r in rows)
+    return "".join(jsonio.dumps(r) + "\n" for r in rows)
 
 
 def main() -> int:
@@ -48,14 +48,14 @@ def main() -> int:
         train, test = split(seed=args.seed, test_fraction=args.test_fraction)
         files |= {f"{world}_train.jsonl": _lines(train), f"{world}_test.jsonl": _lines(test)}
         counts = {name: collections.Counter(r["tag"] for r in rows) for name, rows in (("train", train), ("test", test))}
-        print(world, json.dumps({s: {t: c[t] for t in tags} | {"total": sum(c.values())} for s, c in counts.items()}))
+        print(world, jsonio.dumps({s: {t: c[t] for t in tags} | {"total": sum(c.values())} for s, c in counts.items()}))
     train, test = split_stream_prompts(seed=args.seed)
     files |= {"streams_train.jsonl": _lines(train), "streams_test.jsonl": _lines(test)}
     one_object = one_object_held_out(100, seed=args.seed + 1, exclude=train + test)
     files["streams_one_object_test.jsonl"] = _lines(one_object)
     counts = {name: collections.Counter(f"{r['tag']}/{len(r['segments']) - 1}_switches" for r in rows)
               for name, rows in (("train", train), ("test", test), ("one_object_test", one_object))}
-    print("streams", json.dumps({s: dict(sorted(c.items())) | {"total": sum(c.values())} for s, c in counts.items()}))
+    print("streams", jsonio.dumps({s: dict(sorted(c.items())) | {"total": sum(c.values())} for s, c in counts.items()}))
     if args.check:
         stale = [n for n, text in files.items() if not (args.out_dir / n).exists() or (args.out_dir / n).read_text() != text]
         if stale:

@@ -24,7 +24,6 @@ metadata tags, the reward per tag too (``by_tag/<tag>/reward``, e.g. one- and tw
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -36,6 +35,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from flowgrpo import jsonio  # noqa: E402  (strict JSON: NaN / inf as null)
 
 
 def paired(base: list[float], trained: list[float]) -> dict:
@@ -126,12 +127,12 @@ def main(argv: list[str] | None = None) -> dict:
     for run in args.runs:
         report["runs"].append(evaluate_run(run, args, base_cache))
         if args.out:
-            args.out.write_text(json.dumps(report, indent=2))
+            args.out.write_text(jsonio.dumps(report, indent=2))
     summary = [{"run": r["run"], "iteration": r["iteration"], "weights": r["weights"],
                 **{k: {kk: round(vv, 4) for kk, vv in v.items()} for k, v in r["metrics"].items()
                    if k == "reward" or (k.startswith("by_tag/") and k.endswith("/reward"))}}
                for r in report["runs"]]
-    print(json.dumps(summary, indent=2))
+    print(jsonio.dumps(summary, indent=2))
     return report
 
 

@@ -26,6 +26,10 @@ from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from flowgrpo import jsonio  # noqa: E402  (strict JSON: NaN / inf as null; null read back as NaN)
+
 COMPONENTS = ["adherence", "direction", "speed", "identity", "teleport", "smoothness", "recovery", "anti_freeze"]
 KEEP = ("n", "base", "trained", "change", "stderr", "improved", "worse")
 
@@ -93,9 +97,12 @@ def published_arm(spec: Path) -> dict:
 
 
 def mean_over_runs(runs: list[dict]) -> dict:
+    """Per metric every run has: the mean change and base over the runs (a ``null`` read back, a value that was not
+    a number, counts as NaN)."""
     keys = set.intersection(*(set(r["metrics"]) for r in runs))
-    return {k: {"change": statistics.fmean(r["metrics"][k]["change"] for r in runs),
-                "base": statistics.fmean(r["metrics"][k]["base"] for r in runs)} for k in sorted(keys)}
+    return {k: {"change": statistics.fmean(jsonio.nan_to_float(r["metrics"][k]["change"]) for r in runs),
+                "base": statistics.fmean(jsonio.nan_to_float(r["metrics"][k]["base"]) for r in runs)}
+            for k in sorted(keys)}
 
 
 def plot(report: dict, path: Path) -> None:
@@ -113,8 +120,9 @@ def plot(report: dict, path: Path) -> None:
     for ax, keys, title in ((axes[0], names, "reward and components"), (axes[1], segments, "per segment")):
         for j, (label, r) in enumerate(bars):
             xs = [i + (j - (len(bars) - 1) / 2) * width for i in range(len(keys))]
-            ys = [r["metrics"].get(k, {}).get("change", float("nan")) for k in keys]
-            es = [r["metrics"].get(k, {}).get("stderr", 0.0) for k in keys]
+            # a null (a value that was not a number, e.g. the standard error of one sample) is drawn as NaN
+            ys = [jsonio.nan_to_float(r["metrics"].get(k, {}).get("change")) for k in keys]
+            es = [jsonio.nan_to_float(r["metrics"].get(k, {}).get("stderr", 0.0)) for k in keys]
             ax.bar(xs, ys, width, yerr=es, capsize=2, color=colours(j), label=f"{label}, seed {r.get('seed', '?')}")
         ax.axhline(0, color="black", lw=0.8)
         ax.set_xticks(range(len(keys)), keys, rotation=20 if len(keys) > 9 else 0, fontsize=8)
@@ -154,13 +162,13 @@ def main(argv: list[str] | None = None) -> dict:
         report["apart"][label] = {"source": path.name, "prompts": paired["prompts"], "samples": paired["samples"],
                                   "test_file": paired.get("test_file"), "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    args.out.with_suffix(".json").write_text(jsonio.dumps(report, indent=1) + "\n")
     plot(report, args.out.with_suffix(".png"))
     for label, arm in report["arms"].items():
         for r in arm["runs"]:
-            m = r["metrics"]["reward"]
+            m = {k: jsonio.nan_to_float(v) for k, v in r["metrics"]["reward"].items()}  # null (not a number): NaN
             print(f"{label} seed {r.get('seed')}: {m['change']:+.4f} ± {m['stderr']:.4f} "
-                  f"({m['base']:.3f} -> {m['trained']:.3f}), {r.get('seconds', float('nan')) / 60:.1f} min")
+                  f"({m['base']:.3f} -> {m['trained']:.3f}), {jsonio.nan_to_float(r.get('seconds')) / 60:.1f} min")
     return report
 
 

@@ -11,13 +11,14 @@ through the trainer's own code (:mod:`flowgrpo.planner` says what is modelled an
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from flowgrpo import jsonio  # noqa: E402  (strict JSON: NaN / inf as null)
 
 
 def compose(overrides: list[str]):
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = plan.to_dict()
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        Path(args.out).write_text(jsonio.dumps(result, indent=2) + "\n")
     return result
 
 

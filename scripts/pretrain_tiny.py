@@ -76,6 +76,7 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transfo
 from diffusers.models.attention_processor import JointAttnProcessor2_0
 from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
 
+from flowgrpo import jsonio
 from flowgrpo.models.tiny import clip_text_config, tiny_clip_tokenizer, tiny_t5_tokenizer
 from flowgrpo.world import CLASSES, COUNT_WORDS, PALETTE, RELATIONS, TAGS, draw, metadata_for, sample_scene
 
@@ -396,7 +397,7 @@ def save_pipeline(pipe, out: Path, summary: dict) -> None:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp)
-    (tmp / "pretrain_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (tmp / "pretrain_summary.json").write_text(jsonio.dumps(summary, indent=2) + "\n")
     if (out / "README.md").is_file():
         shutil.copy2(out / "README.md", tmp / "README.md")
     shutil.rmtree(out, ignore_errors=True)
@@ -428,7 +429,7 @@ def train_loop(trainer) -> None:
             trainer.log.append(entry)
             eta = (trainer.total - trainer.step) / max(rate, 1e-9) / 60
             print(f"[pretrain] {stage} step {trainer.step}/{trainer.total} loss {entry['loss']:.4f} "
-                  f"{json.dumps({k: v for k, v in entry.items() if k not in ('step', 'stage', 'loss')})} "
+                  f"{jsonio.dumps({k: v for k, v in entry.items() if k not in ('step', 'stage', 'loss')})} "
                   f"{rate:.2f} it/s eta {eta:.1f} min", flush=True)  # fmt: skip
             window = []
         if trainer.step % args.ckpt_every == 0 or trainer.step in trainer.checkpoint_steps():

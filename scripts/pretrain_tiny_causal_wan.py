@@ -37,7 +37,6 @@ EMA, bank, every RNG state and the log; a resumed run ends bit-identical to an u
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -52,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pretrain_tiny import bank_batch, ema_pipeline, lr_at, sample_sigmas, save_pipeline, save_state  # noqa: E402
 from pretrain_tiny_wan import build_pipeline  # noqa: E402
 
+from flowgrpo import jsonio  # noqa: E402
 from flowgrpo.models import CausalWan, StreamConfig  # noqa: E402
 from flowgrpo.models.causal_wan import teacher_forcing_mask  # noqa: E402
 from flowgrpo.models.stream_pipeline import STREAM_CONFIG_NAME  # noqa: E402
@@ -261,7 +261,7 @@ class Trainer:
         summary = {"script": "scripts/pretrain_tiny_causal_wan.py", "step": self.step, "args": vars(self.args),
                    "last_log": self.log[-5:]}
         save_pipeline(pipe, Path(self.args.out), summary)
-        (Path(self.args.out) / STREAM_CONFIG_NAME).write_text(json.dumps(vars(self.stream_config()), indent=2) + "\n")
+        (Path(self.args.out) / STREAM_CONFIG_NAME).write_text(jsonio.dumps(vars(self.stream_config()), indent=2) + "\n")
 
 
 def parse_args(argv=None):

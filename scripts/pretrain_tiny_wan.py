@@ -52,7 +52,7 @@ statistics, text encoder, transformer; fresh optimizer, EMA from those weights),
 draws the clips' tags with those relative weights instead of uniformly (the caption flaw is unchanged).
 ``--frame-noise-prob P`` noises a share P of the clips latent frame by latent frame (``frame_sigmas``, one timestep
 per token): a frame much noisier than its neighbours can only be predicted from them and the words. Measured on a
-2,000-step continuation of the shipped asset at P = 0.5: it did not teach the direction words (docs/results.md).
+2,000-step continuation of the shipped asset at P = 0.5: it did not teach the direction words (docs/reports/assets.md).
 
 Resume: ``<ckpt-dir>/last.pt`` is replaced atomically every ``--ckpt-every`` steps with weights, optimizer states,
 EMA, every RNG state and the log; a resumed run ends bit-identical to an uninterrupted one (same device, threads).
@@ -78,6 +78,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pretrain_tiny import (bank_batch, ema_pipeline, lr_at, sample_sigmas, save_pipeline, save_state,  # noqa: E402
                            train_loop)  # (shared with the image asset)
 
+from flowgrpo import jsonio  # noqa: E402
 from flowgrpo.world import (  # noqa: E402
     CLASSES,
     COUNT_WORDS,
@@ -223,7 +224,7 @@ def frame_sigmas(sigma: torch.Tensor, shape, prob: float, shift: float, patch_si
     Why: when every frame shares one level, a clip whose layout shows through the noise already says which way its
     objects move, so the words naming the motion help only near pure noise and the model learns them last. A frame
     much noisier than its neighbours must be predicted from them and the words (a hypothesis: on the shipped asset it
-    did not teach the motion words, docs/results.md)."""
+    did not teach the motion words, docs/reports/assets.md)."""
     n, _, frames, height, width = shape
     own = sample_sigmas(n * frames, shift, sigma.device).view(n, frames)
     mixed = torch.rand(n, device=sigma.device) < prob
@@ -612,7 +613,7 @@ def main(argv=None) -> Trainer:
           + f"; {args.vae_steps} VAE steps x {args.vae_batch} + {args.flow_steps} flow steps x {args.batch}; "
           f"{len(trainer.exclude)} held-out prompts excluded", flush=True)  # fmt: skip
     if args.probe_vae:
-        print(json.dumps(trainer.probe_vae(args.probe_vae), indent=1), flush=True)
+        print(jsonio.dumps(trainer.probe_vae(args.probe_vae), indent=1), flush=True)
     elif args.export_only:
         trainer.export()
     else:

@@ -24,7 +24,6 @@ Two measurements, printed as JSON:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from diffusers import WanPipeline
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pretrain_tiny_wan as pw  # noqa: E402
 
+from flowgrpo import jsonio  # noqa: E402
 from flowgrpo.world import CLASSES, DIRECTIONS, PALETTE, motion_metadata_for  # noqa: E402
 from flowgrpo.world.motion import OPPOSITE, UNIT  # noqa: E402
 
@@ -144,7 +144,7 @@ def main(argv=None) -> dict:
     report = {"pretrained": args.pretrained, "loss_gap": loss_gap(pipe, args.clips)}
     if not args.skip_generation:
         report["direction"] = direction_probe(pipe, args.samples, args.steps, args.guidance_scale)
-    text = json.dumps(report, indent=1)
+    text = jsonio.dumps(report, indent=1)
     print(text)
     if args.json:
         Path(args.json).write_text(text + "\n")

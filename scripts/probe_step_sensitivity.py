@@ -33,6 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from flowgrpo import jsonio  # noqa: E402  (strict JSON: NaN / inf as null)
+
 TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 
 
@@ -156,7 +158,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     report = {"lr": args.lr, "rank": args.rank, "alpha": args.alpha, "seed": args.seed,
               "models": [probe(m, args) for m in args.models]}
-    text = json.dumps(report, indent=1)
+    text = jsonio.dumps(report, indent=1)
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import math
 import statistics
 import sys
@@ -51,6 +50,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
 from bench_iteration import emit, scratch_trainer  # noqa: E402
+
+from flowgrpo import jsonio  # noqa: E402
 
 #: noise iterations of the ``--fresh`` rollouts: far from any plan iteration a run or this probe trains on
 FRESH = 1_000_000
@@ -236,7 +237,7 @@ def summarise(changes: dict, lrs: list[float], sets: dict, fresh: bool, other: b
 def emit_quietly(report: dict, out: Path | None) -> None:
     """Write the report so far (an interrupted probe keeps what it measured)."""
     if out:
-        Path(out).write_text(json.dumps(report, indent=2))
+        Path(out).write_text(jsonio.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

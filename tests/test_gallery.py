@@ -292,7 +292,8 @@ def test_an_offline_wandb_run_copied_elsewhere_holds_every_media_file(tmp_path, 
     """logger=wandb offline, W&B's own directories (its staging area) outside the run dir: after the run dir is
     copied elsewhere and the original and W&B's directories are deleted, the copy still holds every file the run's
     record references (the tables' media, staged for upload), our videos and images byte for byte, the table files
-    and the media panels."""
+    and the media panels; every media file a table references, in the run's files (by a path relative to them) and
+    in the table's artifact, is in the copy."""
     import re
     import shutil
 
@@ -322,9 +323,47 @@ def test_an_offline_wandb_run_copied_elsewhere_holds_every_media_file(tmp_path, 
     record = next(sync_dir.glob("run-*.wandb")).read_bytes()
     staged = set(re.findall(rb"/artifacts/staging/(tmp[a-z0-9_]{8})", record))  # tempfile's names
     assert len(staged) >= len(ours) + 2  # every sample's file and the two tables
+    original = run_dir / "wandb" / sync_dir.name
     for name in staged:
         assert len(list(sync_dir.glob(f"data/artifacts/staging/{name.decode()}"))) == 1, name
+        # the record names it at its place in the run dir (absolute, as W&B records artifact files): the same place
+        # in the copy
+        assert f"{original}/data/artifacts/staging/{name.decode()}".encode() in record, name
     assert str(home).encode() + b"/artifacts" not in record
+
+    def digest(path: Path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    def media_cells(table: dict) -> list[dict]:
+        return [v for row in table["data"] for v in row if isinstance(v, dict) and "path" in v]
+
+    # the tables' files in the run's files: every media cell a path relative to them, of a file there (our bytes)
+    files_dir = sync_dir / "files"
+    run_tables = sorted(files_dir.glob("media/table/**/*.table.json"))
+    assert len(run_tables) == 2
+    for path in run_tables:
+        text = path.read_text()
+        assert str(tmp_path) not in text  # no absolute path, of the original or anything else
+        table = json.loads(text)
+        cells = media_cells(table)
+        assert len(cells) == len(table["data"]) > 0  # one media cell per row
+        for cell in cells:
+            assert cell["_type"] in ("image-file", "video-file") and not Path(cell["path"]).is_absolute()
+            assert ".." not in Path(cell["path"]).parts and (files_dir / cell["path"]).is_file(), cell
+            assert digest(files_dir / cell["path"]) == cell["sha256"] and cell["sha256"] in ours
+    # the tables' artifacts: each table (staged in the run dir) references media staged in the copy, by content
+    staging = {digest(p): p for p in sync_dir.glob("data/artifacts/staging/*")}
+    artifact_tables = []
+    for path in staging.values():
+        try:
+            table = json.loads(path.read_text())
+        except (UnicodeDecodeError, ValueError):
+            continue  # a staged image or video
+        if isinstance(table, dict) and table.get("_type") == "table":
+            artifact_tables.append(table)
+            cells = media_cells(table)
+            assert len(cells) == len(table["data"]) > 0 and all(c["sha256"] in staging for c in cells)
+    assert {len(t["data"]) for t in artifact_tables} == {3, 4}  # the eval table's 3 videos, the training's 4 images
 
     files = [p for p in copy.rglob("*") if p.is_file() and "gallery" not in p.relative_to(copy).parts]
     digests = {hashlib.sha256(p.read_bytes()).hexdigest() for p in files}

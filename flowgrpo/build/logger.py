@@ -13,9 +13,16 @@ each the way its viewer shows them:
 - ``wandb``: the resolved config; per gallery a ``wandb.Table`` under ``{tag}/gallery`` (step, prompt, image or video,
   every reward component, reward, advantage) and a media panel under ``{tag}/samples`` (a list of ``wandb.Image`` /
   ``wandb.Video`` with the prompt and the scores as captions, the panel the step slider scrolls). The run's files
-  live under ``<run dir>/wandb/``; the table's media, which W&B stages for upload outside the run's files (in its data
-  directory, ``~/.local/share/wandb`` by default), are staged into ``<run dir>/wandb/<run>/data/`` instead, so an
-  offline run holds every file it references and ``wandb sync`` finds them after the home directory is cleaned.
+  live under ``<run dir>/wandb/``. W&B keeps a table twice: as a file of the run
+  (``files/media/table/{tag}/gallery_*.table.json``) and as an artifact of the run (``run-<id>-{tag}gallery``) whose
+  files it stages for upload outside the run's files (in its data directory, ``~/.local/share/wandb`` by default).
+  Here the table's file references each sample by its path in the run's files (``media/images/...`` /
+  ``media/videos/...``, the files of the media panel; W&B itself writes only the media's class name there), so the
+  run directory can be copied elsewhere and its tables still find their media; and the artifact's files are staged
+  into ``<run dir>/wandb/<run>/data/`` instead, so an offline run holds every file it references and ``wandb sync``
+  finds them after the home directory is cleaned. (The run's record names those staged files by absolute path, as W&B
+  records every artifact file: synced from a copy, the artifact's upload needs them at the original place; the run,
+  its panels and its tables' files sync from anywhere.)
 - ``tensorboard``: event files under ``<run dir>/tensorboard/``; the config as text; per gallery the labelled grid
   (prompt and scores drawn above each sample) as the image ``{tag}/gallery``, the captions as a text table
   ``{tag}/captions`` and, for videos, each clip as an animated GIF image ``{tag}/video/NN`` (TensorBoard's image
@@ -102,13 +109,15 @@ class RunLogger:
                 return wandb.Video(str(path), caption=caption, format=path.suffix[1:])
             return wandb.Image(str(path), caption=caption)
 
-        at = page.columns.index(page.media_column)
-        table = wandb.Table(columns=list(page.columns))
-        for row, path in zip(page.rows, page.media):
-            table.add_data(*row[:at], media(path), *row[at + 1:])
+        # the table's cells are the panel's media: the panel (logged first) copies each file into the run's files
+        # once, and the table's run file references those copies by their path in the run's files
         samples = [media(path, caption) for path, caption in zip(page.media, page.captions)]
+        at = page.columns.index(page.media_column)
+        table = _run_file_table(wandb)(columns=list(page.columns))
+        for row, sample in zip(page.rows, samples):
+            table.add_data(*row[:at], sample, *row[at + 1:])
         with _staged_in(self.run):
-            self.run.log({f"{page.tag}/gallery": table, f"{page.tag}/samples": samples}, step=int(page.step))
+            self.run.log({f"{page.tag}/samples": samples, f"{page.tag}/gallery": table}, step=int(page.step))
 
     def _gallery_tensorboard(self, page) -> None:
         import numpy as np
@@ -168,6 +177,37 @@ def _cell(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _run_file_table(wandb):
+    """``wandb.Table`` whose file in the run's files (``media/table/...table.json``) references each media cell by its
+    path in the run's files, relative to them (``{"_type": "image-file", "path": "media/images/...", "sha256": ...}``,
+    as the run's media panels do), where W&B writes the media's class name (``"Image"``) and keeps the media only in
+    the table's artifact. A cell not yet a file of the run (not also in a panel logged before it) is copied in."""
+    from wandb.sdk.data_types.base_types.media import Media
+
+    class RunFileTable(wandb.Table):
+        _media_run = None  # the run whose files the media cells are referenced in, while the table is bound to it
+
+        def bind_to_run(self, run, key, step, id_=None, ignore_copy_err=None):
+            for i, row in enumerate(self.data):
+                for j, value in enumerate(row):
+                    if isinstance(value, Media) and value._run is not run:
+                        value.bind_to_run(run, key, step, id_=f"{i}_{j}", ignore_copy_err=ignore_copy_err)
+            self._media_run = run
+            try:
+                super().bind_to_run(run, key, step, id_=id_, ignore_copy_err=ignore_copy_err)
+            finally:
+                self._media_run = None
+
+        def _to_table_json(self, max_rows=None, warn=True):
+            table = super()._to_table_json(max_rows, warn)
+            if self._media_run is not None:  # the run's file (bind_to_run), not the artifact's table
+                table["data"] = [[v.to_json(self._media_run) if isinstance(v, Media) else v for v in row]
+                                 for row in table["data"]]
+            return table
+
+    return RunFileTable
 
 
 @contextmanager
