@@ -1,15 +1,15 @@
 #!/usr/bin/env python
 """One report page per study, generated whole from the measured results in ``docs/results/``.
 
-    python scripts/reports.py           # write docs/reports/*.md
-    python scripts/reports.py --check   # write nothing; exit 1 naming every page that differs
+    python scripts/reports.py           # write docs/reports/*.md, the README's results block and the headline figure
+    python scripts/reports.py --check   # write nothing; exit 1 naming every page (or the README block) that differs
 
-A study is the JSON files of one measurement (``STUDIES``). Per file its page says what was run (command, commit and
-date from ``docs/results/provenance.json``; the CPU kernels its runs record), whether its numbers still hold (the
-record's ``stale``), the file's own verdict (its ``verdict``/``summary``/``note``/``what`` text), its figure and its
-tables, laid out by the shape of the data: the arms of ``scripts/compare_presets.py``, paired evaluations
-(``scripts/paired_eval.py``, ``scripts/paired_report.py``), a table of records (benchmarks, time to reward, memory
-plans and update probes are read into one) or of keys and values. Every number is read from a JSON: edit the JSON.
+A study is the JSON files of one measurement (``STUDIES``). Per file its page says what was run (command, commit, date:
+``docs/results/provenance.json``; the CPU kernels of its runs), whether its numbers still hold (``stale``), the file's
+own verdict, its figures and its tables, laid out by the shape of the data: the arms of ``compare_presets.py``, paired
+evaluations (``paired_eval.py``, ``paired_report.py``), a table of records (benchmarks, time to reward, memory plans,
+update probes) or of keys and values. Every number is read from a JSON: edit the JSON. The README's results block
+and the headline figure come from ``scripts/headline.py``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from collections import Counter, namedtuple
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import headline  # noqa: E402  (the README's results block and the headline figure)
+
 RESULTS, REPORTS = REPO / "docs" / "results", REPO / "docs" / "reports"
 GIB = 2 ** 30
 
@@ -33,14 +36,16 @@ STUDIES = [Study(slug, title, what, members.split()) for slug, title, what, memb
     ("cgpo", "CGPO curriculum", "CGPO's curriculum against MixGRPO and uniform sampling", "cgpo cgpo_uniform"),
     ("dgpo", "DGPO", "DGPO against Flow-GRPO: held-out GenEval over seeds", "dgpo"),
     ("flash-grpo-tail", "Flash-GRPO's tail", "Flash-GRPO, its fast variant and two ablations", "flash_grpo_tail"),
-    ("flow-opd", "Flow-OPD", "Flow-OPD's two teachers against multi-reward GRPO (summed, TaRoS)", "flow_opd"),
+    ("flow-opd", "Flow-OPD", "Flow-OPD against GRPO on the sum and on `saturation_weighted` (arm `taros`)", "flow_opd"),
     ("grpo-guard", "GRPO-Guard", "GRPO-Guard against Flow-GRPO: held-out GenEval over seeds", "grpo_guard"),
     ("pref-grpo", "Pref-GRPO", "Pref-GRPO against DanceGRPO: held-out GenEval and training statistics", "pref_grpo"),
     ("slas", "SLAS advantage shaping", "SLAS against MixGRPO, and SLAS with gamma 1", "slas slas_gamma1"),
-    ("multireward", "Two rewards", "GenEval and JPEG compressibility, summed or aggregated by TaRoS", "multireward"),
-    ("taros", "TaRoS", "TaRoS on video (its ablations, a sweep of a component's weight) and on streaming long video",
-     "taros_shortcut taros_shortcut_sweep taros_long_video"),
-    ("video", "Video runs", "Runs on the embedded Wan video model, and TaRoS against the weighted sum",
+    ("multireward", "Two rewards", "GenEval and JPEG compressibility, summed or aggregated by `saturation_weighted` "
+     "(the arm named `taros`: this project's aggregator, not the paper's TaRoS)", "multireward"),
+    ("saturation-weighted", "Saturation-weighted aggregation", "This project's `saturation_weighted` aggregator (the "
+     "arms named `taros` in these files; not the paper's TaRoS) on video, with its ablations and a sweep of a "
+     "component's weight, and on streaming long video", "taros_shortcut taros_shortcut_sweep taros_long_video"),
+    ("video", "Video runs", "Runs on the embedded Wan video model; `saturation_weighted` (arm `taros`) against the sum",
      "video_runs_evals video_taros"),
     ("streaming-runs", "Streaming video", "Streaming GRPO, streaming AWM and KVPO on the causal video model, mostly "
      "paired held-out evaluations", "streaming_rl streaming_rl_paired streaming_rl_lr1e-4_paired stream_one_object "
@@ -163,10 +168,8 @@ def flat(rec: dict):
         h = history(v)
         for m in [m for m in HEADLINE if h and m in h[0] and m in h[-1]][:2]:
             yield f"{k}: {m}", " → ".join(f"{num(e[m])} (it {e['iteration']})" for e in (h[:1] + h[1:][-1:]))
-        if isinstance(v, dict) and v and not is_cell(v) and all(map(is_cell, v.values())):
-            yield from ((f"{k}/{s}", x) for s, x in v.items())
-        else:
-            yield k, v
+        spread = isinstance(v, dict) and v and not is_cell(v) and all(map(is_cell, v.values()))
+        yield from ((f"{k}/{s}", x) for s, x in v.items()) if spread else [(k, v)]
 
 
 def records(items: list[tuple[str, dict]], depth: int, label: str = "") -> list[str]:
@@ -174,9 +177,7 @@ def records(items: list[tuple[str, dict]], depth: int, label: str = "") -> list[
     cols, notes, nested, rows = [], [], [], []
     for name, rec in items:
         row = {}
-        for k, v in flat(rec):
-            if v in EMPTY:
-                continue
+        for k, v in [(k, v) for k, v in flat(rec) if v not in EMPTY]:
             if isinstance(v, str) and len(v) > LONG:
                 notes.append(f"- **{esc(name)}**, {k}: {text(k, v)}")
             elif is_cell(v):
@@ -455,13 +456,14 @@ def status(flags: list) -> str:
 
 def render_all(prov: dict | None = None) -> dict[str, str]:
     """Every page: ``{its file name in docs/reports/: its text}``."""
-    prov = json.loads((RESULTS / "provenance.json").read_text(encoding="utf-8")) if prov is None else prov
+    prov = headline.provenance() if prov is None else prov
     note = "<!-- generated by python scripts/reports.py from docs/results/: edit the JSON, not this page -->"
     pages, index = {}, []
     for s in STUDIES:
         sections = [member(stem, prov) for stem in s.members]
         flags = [flag for _, flag in sections]
-        head = [note, "", f"# {s.title}", "", f"{s.what}.", "", f"Status: **{status(flags)}**.", ""]
+        head = [note, "", f"# {s.title}", "", f"{s.what}.", "", f"Status: **{status(flags)}**.", ""] + \
+            [f"![{s.title}]({s.slug}.png)", ""] * (REPORTS / f"{s.slug}.png").is_file()  # a study's own figure
         pages[f"{s.slug}.md"] = "\n".join(head + [line for lines, _ in sections for line in lines]).rstrip() + "\n"
         index.append([f"[{s.title}]({s.slug}.md)", s.what, str(sum(f is not None for f in flags)), status(flags)])
     intro = ("Every measured result in `docs/results/` belongs to one study. Each study's page is generated from its "
@@ -474,21 +476,22 @@ def render_all(prov: dict | None = None) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 naming every page that differs")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 naming whatever differs")
     args = parser.parse_args(argv)
     pages = render_all()
     differ = sorted(n for n in pages if not (REPORTS / n).is_file() or (REPORTS / n).read_text("utf-8") != pages[n])
     extra = sorted({p.name for p in REPORTS.glob("*.md")} - set(pages))
     if args.check:
-        print("".join(f"docs/reports/{n} differs from what python scripts/reports.py writes\n" for n in differ) +
-              "".join(f"docs/reports/{n} is no page python scripts/reports.py writes\n" for n in extra), end="")
-        return 1 if differ or extra else 0
+        problems = [f"docs/reports/{n} differs from what python scripts/reports.py writes" for n in differ] + \
+            [f"docs/reports/{n} is no page python scripts/reports.py writes" for n in extra] + headline.check()
+        print("".join(f"{p}\n" for p in problems), end="")
+        return 1 if problems else 0
     REPORTS.mkdir(parents=True, exist_ok=True)
     for n in differ:
         (REPORTS / n).write_text(pages[n], encoding="utf-8")
     for n in extra:
         (REPORTS / n).unlink()
-    print(f"docs/reports: {len(pages)} pages, {len(differ)} written, {len(extra)} removed")
+    print(f"docs/reports: {len(pages)} pages, {len(differ)} written, {len(extra)} removed; {headline.write()}")
     return 0
 
 

@@ -30,7 +30,7 @@ A change that is meant to alter a preset reruns it with ``--update`` and a ``--r
 commit it was measured on, the reason and a ``fingerprint`` (a hash of the recorded numbers). Published results
 measured on a world record the fingerprint of its preset at the time (``docs/results/provenance.json``), so when
 a reference moves, every result of that world that was not measured again must be marked stale in the same commit
-(``tests/test_published_results.py`` checks it). ``--update --unchanged`` re-records a reference whose preset
+(``tests/test_reports.py`` checks it). ``--update --unchanged`` re-records a reference whose preset
 computes what it did (the tripwire itself changed: another cut, another recorded number): it refuses unless every
 row the new run shares with the old reference matches it, and keeps the old fingerprint as ``computes_as`` so the
 results measured under it stay current.
