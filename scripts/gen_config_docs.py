@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import dataclasses
 import inspect
 import io
@@ -181,10 +182,21 @@ def _nested(tp: Any) -> type | None:
     return None
 
 
-def _rows(schema: type, prefix: str, nested: list[tuple[str, type]]) -> list[str]:
+def _same(schema: type, bases: tuple[type, ...], f: dataclasses.Field) -> bool:
+    """The field is the nearest of ``bases`` (schemas whose tables come earlier) that has it, with the same default,
+    meaning and bounds: that table already shows it."""
+    base = next((b for b in bases if f.name in {x.name for x in dataclasses.fields(b)}), None)
+    g = {x.name: x for x in dataclasses.fields(base)}.get(f.name) if base else None
+    return g is not None and _value_text(_default(g)) == _value_text(_default(f)) and \
+        field_doc(base, f.name) == field_doc(schema, f.name) and _allowed(g) == _allowed(f)
+
+
+def _rows(schema: type, prefix: str, nested: list[tuple[str, type]], bases: tuple[type, ...] = ()) -> list[str]:
     hints = typing.get_type_hints(schema)
     rows = []
     for f in dataclasses.fields(schema):
+        if _same(schema, bases, f):
+            continue
         tp = hints.get(f.name, Any)
         key = f"{prefix}.{f.name}"
         doc = field_doc(schema, f.name)
@@ -199,9 +211,10 @@ def _rows(schema: type, prefix: str, nested: list[tuple[str, type]]) -> list[str
     return rows
 
 
-def _table(schema: type, prefix: str, level: int) -> list[str]:
+def _table(schema: type, prefix: str, level: int, bases: tuple[type, ...] = ()) -> list[str]:
     nested: list[tuple[str, type]] = []
-    out = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|", *_rows(schema, prefix, nested)]
+    out = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|",
+           *_rows(schema, prefix, nested, bases)]
     for key, sub in nested:
         out += ["", f"{'#' * level} `{key}.*` {{#{key.replace('.', '')}}}", "", _cell(_doc_line(sub)), ""]
         out += _table(sub, key, level + 1)
@@ -250,6 +263,30 @@ def _options(group: str) -> list[str]:
     return out
 
 
+def _algorithm_tables(algorithms: dict, root: type) -> list[str]:
+    """A table per algorithm of what it adds to or changes in the schemas above it: ``root`` (every algorithm's keys),
+    a schema several algorithms share (a table of its own), or another algorithm's."""
+    registered = {algorithms[n].config_class: n for n in sorted(algorithms)}
+    uses = collections.Counter(b for c in registered for b in c.__mro__[1:] if dataclasses.is_dataclass(b))
+    shared = sorted((b for b, n in uses.items() if n > 1 and b not in registered and b is not root),
+                    key=lambda b: b.__name__)
+    link_id = lambda c: "algo" if c is root else f"algo-{registered[c].replace('_', '-')}" if c in registered \
+        else f"algo-{c.__name__.lower()}"  # noqa: E731
+    label = lambda c: "the keys every algorithm has" if c is root else f"`algo={registered[c]}`" if c in registered \
+        else f"`{c.__name__}`"  # noqa: E731
+    out = []
+    for cls in shared + list(registered):
+        bases = tuple(b for b in cls.__mro__[1:] if b is root or b in registered or b in shared)
+        nearest = [b for b in bases if not any(b in o.__mro__[1:] for o in bases)]  # the others are above these
+        users = ", ".join(f"`algo={n}`" for c, n in registered.items() if cls in c.__mro__[1:])
+        title = f"`algo={registered[cls]}`" if cls in registered else f"`{cls.__name__}`: keys shared by {users}"
+        above = " and ".join(f"[{label(b)}](#{link_id(b)})" for b in nearest)
+        out += ["", f"### {title} {{#{link_id(cls)}}}", "", f"Schema {_where(cls)}. {_cell(_doc_line(cls))} It has "
+                f"every key of {above}; the table lists the keys it adds or sets differently.", ""]
+        out += _table(cls, "algo", 4, bases)
+    return out
+
+
 def render() -> str:
     """The whole of docs/config.md."""
     from flowgrpo.algorithms import ALGORITHMS
@@ -284,11 +321,7 @@ def render() -> str:
             lines += ["Keys every algorithm has:", ""]
             lines += _table(AlgoConfig, "algo", 3)
             lines += ["", "Options (`algo=NAME`):", ""] + _options(group)
-            for name in sorted(ALGORITHMS):
-                cls = ALGORITHMS[name].config_class
-                lines += ["", f"### `algo={name}` {{#algo-{name.replace('_', '-')}}}", "",
-                          f"Schema {_where(cls)}. {_cell(_doc_line(cls))}", ""]
-                lines += _table(cls, "algo", 4)
+            lines += _algorithm_tables(ALGORITHMS, AlgoConfig)
         else:
             lines += _table(schema, group, 3)
             opts = _options(group)

@@ -109,7 +109,8 @@ class FlowOPD(GRPO):
         super().__init__(base_sigmas, **kwargs)
         cfg = self.cfg
         if not cfg.teachers:
-            raise ValueError("algo=flow_opd needs algo.teachers={name: checkpoint} (runs trained on one reward each)")
+            raise ValueError("algo=flow_opd needs teachers, one run trained on one reward each: "
+                             "+algo.teachers.NAME=RUN_DIR_OR_CHECKPOINT")
         contradiction = _attached_sampled_reward(cfg.kl_reward, cfg.detach_kl)
         if contradiction:
             raise ConfigError(contradiction)
