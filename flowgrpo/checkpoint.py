@@ -775,7 +775,7 @@ RESUME_HARMLESS = ("trainer.iterations", "trainer.eval_", "trainer.gallery_", "t
                    "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.resume", "trainer.resume_",
                    "trainer.output_dir", "trainer.overwrite", "trainer.rollout_batch_size",
                    "trainer.max_skipped_updates", "trainer.max_update_ratio", "logger.", "sampler.eval_num_steps",
-                   "data.test_file")
+                   "data.val_file", "data.test_file")
 
 
 def _flat(tree, prefix: str = "") -> dict:

@@ -254,7 +254,8 @@ class DataConfig:
     name: str = MISSING  # the option's name, for logs
     format: str = _knob("jsonl", choices=("jsonl", "text"))  # jsonl: a record per line; text: a prompt per line
     train_file: str = MISSING  # training prompts (relative paths: cwd, then the repository root)
-    test_file: Optional[str] = MISSING  # held-out prompts; null = none (each option says)
+    val_file: Optional[str] = MISSING  # validation prompts: what training evaluates on (and probes, sweeps); null = none
+    test_file: Optional[str] = None  # test prompts, scored only by scripts/paired_eval.py --split test; null = none
     prompt_key: str = "prompt"  # JSONL field holding the prompt text
     max_prompts: Optional[int] = _knob(None, ge=1)  # keep only the first N training prompts (debugging)
     train_tags: Optional[List[str]] = None  # keep only training prompts with these metadata tags; held-out untouched

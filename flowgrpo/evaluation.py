@@ -13,6 +13,10 @@ The protocol, in full:
   starts from the noise drawn by :func:`eval_generator` ``(trainer.eval_seed, i, j)`` — a stream of its own,
   independent of the training seed, so every run is judged on the same images, whatever the batching, the
   number of processes or the prompts a caller keeps.
+- **which set**: the validation set (``data.val_file``, noise stream ``EVAL_STREAM``) is what training evaluates
+  on and what probes, sweeps and tuning read; the test set (``data.test_file``, noise stream ``TEST_STREAM``: other
+  noise even where the world has no other prompts) is scored only by ``scripts/paired_eval.py --split test``, for
+  the numbers a claim reports.
 - **how** (:func:`generate`, the adapter's ``generate``): the deterministic Euler ODE (``samplers.rollout``
   without an SDE step) over the held-out schedule (``Sampler.eval_sigmas``: ``sampler.eval_num_steps`` steps of the
   model scheduler's grid, or of ``sampler.shift``'s when set), classifier-free guidance as the model config says
@@ -39,10 +43,11 @@ import torch
 from rewards import geneval_prefixes, geneval_summary
 
 from .build import PromptSet, tag_rows
-from .seeding import EVAL_STREAM, seeded_generator
+from .seeding import EVAL_STREAM, TEST_STREAM, seeded_generator
 
 __all__ = [
     "EVAL_STREAM",
+    "TEST_STREAM",
     "EvalSamples",
     "eval_generator",
     "eval_seed_counts",
@@ -56,9 +61,10 @@ __all__ = [
 Job = tuple[int, int]  # (index of the prompt in the held-out set, index of its fixed seed)
 
 
-def eval_generator(eval_seed: int, prompt: int, sample: int) -> torch.Generator:
-    """The CPU generator of held-out sample ``sample`` of prompt ``prompt`` (CPU: the same noise on any device)."""
-    return seeded_generator(eval_seed, EVAL_STREAM, prompt, sample)
+def eval_generator(eval_seed: int, prompt: int, sample: int, stream: int = EVAL_STREAM) -> torch.Generator:
+    """The CPU generator of held-out sample ``sample`` of prompt ``prompt`` (CPU: the same noise on any device), on
+    the validation noise stream, or on ``TEST_STREAM`` for the test set."""
+    return seeded_generator(eval_seed, stream, prompt, sample)
 
 
 def eval_seed_counts(prompts: PromptSet, per_prompt: int, per_tag: int | None) -> list[int]:
@@ -85,7 +91,7 @@ def held_out_jobs(
     """The ``(prompt, sample)`` pairs of a held-out evaluation, prompt-major.
 
     Args:
-        prompts: the held-out prompt set (``data.test_file``).
+        prompts: the held-out prompt set (``data.val_file``).
         per_prompt, per_tag: ``trainer.eval_samples_per_prompt`` and ``trainer.eval_samples_per_tag`` (see
             :func:`eval_seed_counts`; counted over the first ``num_prompts`` prompts).
         num_prompts: keep the first ``num_prompts`` prompts (``trainer.eval_num_prompts``; None: all).
@@ -244,6 +250,7 @@ def score_jobs(
     autocast: Callable[[], ContextManager] = nullcontext,
     on_batch: Callable[[int, list[str], torch.Tensor, Any], None] | None = None,
     between_batches: Callable[[], None] | None = None,
+    stream: int = EVAL_STREAM,
 ) -> EvalSamples:
     """Generate (:func:`generate`) and score the images of ``jobs``, ``batch_size`` at a time, in job order.
 
@@ -253,6 +260,7 @@ def score_jobs(
         prompts: the held-out prompt set the jobs index.
         jobs: ``(prompt, sample)`` pairs (:func:`held_out_jobs`, or a process's share of them).
         seed: ``trainer.eval_seed``.
+        stream: the noise stream: ``EVAL_STREAM`` (validation) or ``TEST_STREAM`` (the test set).
         on_batch: called as ``on_batch(start, prompts, images, reward_output)`` after each batch (galleries, grids).
         between_batches: called before each batch after the first; raising there abandons the evaluation (the
             trainer honours a stop request so).
@@ -267,7 +275,7 @@ def score_jobs(
         if start and between_batches is not None:
             between_batches()
         part = rows.subset(range(start, min(start + batch_size, len(jobs))))
-        generators = [eval_generator(seed, i, j) for i, j in jobs[start : start + len(part)]]
+        generators = [eval_generator(seed, i, j, stream) for i, j in jobs[start : start + len(part)]]
         images = generate(adapter, part.prompts, generators, sigmas=sigmas, model_kw=model_kw, autocast=autocast,
                           metadata=part.metadata)
         out = reward(images, part.prompts, part.metadata)

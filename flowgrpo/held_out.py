@@ -6,7 +6,7 @@ EMA weights when enabled) over the trainer's processes, reward and held-out prom
 :meth:`HeldOut.held_out_key` what they depend on besides the weights (``scripts/`` compare runs with them).
 
 What the mixin reads from its trainer: ``cfg``, ``acc``, ``device``, ``rank``, ``world``, ``adapter``, ``reward``,
-``test_set``, ``sampler``, ``batch``, ``model_kw``, ``ema``, ``gallery``, ``iteration``, ``_check_stop``,
+``val_set``, ``sampler``, ``batch``, ``model_kw``, ``ema``, ``gallery``, ``iteration``, ``_check_stop``,
 ``_gallery_log``.
 """
 
@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from .evaluation import EvalSamples, gallery_jobs, held_out_jobs, score_jobs
+from .evaluation import EVAL_STREAM, EvalSamples, gallery_jobs, held_out_jobs, score_jobs
 
 __all__ = ["HeldOut"]
 
@@ -49,12 +49,12 @@ class HeldOut:
         the per-tag means (``{tag}/[prefix/]geneval``, ``{tag}/[prefix/]geneval_partial``), so tags weigh equally
         whatever their prompt counts.
         """
-        if self.test_set is None:
+        if self.val_set is None:
             return {}
         jobs = self.eval_jobs()
         # the gallery (main process) shows some of the jobs this process generates, spread over tags and prompts
         mine = [k for k in _dealt(len(jobs), self.rank, self.world) if k < len(jobs)]
-        shown = (set(gallery_jobs(jobs, self.test_set, self.gallery.max_rows, among=mine)) if self.gallery is not None
+        shown = (set(gallery_jobs(jobs, self.val_set, self.gallery.max_rows, among=mine)) if self.gallery is not None
                  else set())
         kept = {}
 
@@ -78,10 +78,10 @@ class HeldOut:
     def eval_jobs(self) -> list:
         """The held-out ``(prompt, sample)`` jobs :meth:`evaluate` scores (``trainer.eval_*``)."""
         t = self.cfg.trainer
-        return held_out_jobs(self.test_set, t.eval_samples_per_prompt, t.eval_samples_per_tag,
+        return held_out_jobs(self.val_set, t.eval_samples_per_prompt, t.eval_samples_per_tag,
                              num_prompts=t.eval_num_prompts)
 
-    def held_out_key(self, jobs: list) -> str:
+    def held_out_key(self, jobs: list, stream: int = EVAL_STREAM) -> str:
         """A hash of what :meth:`held_out_samples` reads besides the weights: the model, reward and held-out data,
         the jobs and their seed, the evaluation schedule, the rollout batch and the precision. Two trainers with
         equal keys and equal weights (e.g. both untrained, whatever their algorithm or ``trainer.seed``) score the
@@ -92,19 +92,23 @@ class HeldOut:
             return OmegaConf.to_container(node, resolve=True)
 
         what = {"model": plain(self.cfg.model), "reward": plain(self.cfg.reward), "data": plain(self.cfg.data),
-                "jobs": [list(j) for j in jobs], "eval_seed": self.cfg.trainer.eval_seed,
+                "jobs": [list(j) for j in jobs], "eval_seed": self.cfg.trainer.eval_seed, "stream": stream,
                 "sigmas": self.sampler.eval_sigmas.tolist(), "batch": self.batch.rollout_batch_per_process,
                 "mixed_precision": self.cfg.trainer.mixed_precision}
         if getattr(self.reward, "version", None) is not None:  # the same config under other rules scores otherwise
             what["reward_version"] = self.reward.version
         return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-    def held_out_samples(self, jobs: list, on_batch=None, between_batches=None) -> EvalSamples:
+    def held_out_samples(self, jobs: list, on_batch=None, between_batches=None, prompts=None,
+                         stream: int = EVAL_STREAM) -> EvalSamples:
         """Every held-out ``(prompt, sample)`` job of ``jobs`` generated and scored as :meth:`evaluate` does (its
         seeds, sampler, EMA weights when enabled), dealt over the processes and gathered back in job order: the
         per-sample scores behind its means. ``on_batch`` sees this process's batches, ``between_batches`` is called
         before each of them after the first (``score_jobs``; every process runs as many batches). A progress bar
-        counts the main process's samples on a terminal (none on another process, or when the output is not one)."""
+        counts the main process's samples on a terminal (none on another process, or when the output is not one).
+        ``prompts`` and ``stream`` default to the validation set and its noise; the reporting command passes the
+        test set and ``TEST_STREAM``."""
+        prompts = self.val_set if prompts is None else prompts
         t = self.cfg.trainer
         # every process runs the same number of jobs (a gather needs equal shapes): padding repeats the last job and
         # is dropped after the gather
@@ -118,10 +122,10 @@ class HeldOut:
                 on_batch(start, prompts, images, out)
 
         with bar, self.ema.swapped_in() if self.ema is not None else nullcontext():
-            local = score_jobs(self.adapter, self.reward, self.test_set, [jobs[min(k, len(jobs) - 1)] for k in mine],
+            local = score_jobs(self.adapter, self.reward, prompts, [jobs[min(k, len(jobs) - 1)] for k in mine],
                                seed=t.eval_seed, sigmas=self.sampler.eval_sigmas, model_kw=self.model_kw,
                                batch_size=self.batch.rollout_batch_per_process, autocast=self.acc.autocast,
-                               on_batch=counted, between_batches=between_batches)
+                               on_batch=counted, between_batches=between_batches, stream=stream)
         index = self.acc.gather(torch.tensor([k if k < len(jobs) else -1 for k in mine], device=self.device))
         valid = index >= 0
         position = torch.empty(len(jobs), dtype=torch.long, device=self.device)  # gathered row of each job
@@ -130,6 +134,6 @@ class HeldOut:
         def gathered(v: torch.Tensor) -> torch.Tensor:
             return self.acc.gather(v.to(self.device).contiguous())[position]
 
-        return EvalSamples(jobs=jobs, prompts=self.test_set.subset([i for i, _ in jobs]),
+        return EvalSamples(jobs=jobs, prompts=prompts.subset([i for i, _ in jobs]),
                            scores=gathered(local.scores),
                            components={k: gathered(v) for k, v in local.components.items()})

@@ -20,6 +20,7 @@ __all__ = [
     "ORDER_STREAM",
     "PROMPTS_STREAM",
     "SDE_STREAM",
+    "TEST_STREAM",
     "seeded_generator",
 ]
 
@@ -41,3 +42,4 @@ SDE_STREAM = 3  # a rollout's SDE noise
 ORDER_STREAM = 4  # the order the update visits a row's trained steps in
 EVAL_STREAM = 5  # held-out noise (flowgrpo.evaluation)
 ALGO_STREAM = 6  # an algorithm's own draws in its update (UpdateContext.generator)
+TEST_STREAM = 7  # test-set noise: drawn only by scripts/paired_eval.py --split test, for reported claims

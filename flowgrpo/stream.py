@@ -1,7 +1,7 @@
 r"""Generate a long video whose prompt changes mid-stream, with a streaming model: an mp4 and a labelled PNG.
 
     python -m flowgrpo.stream --prompt "a red circle moving left" --prompt "a red circle moving up" --switch 25
-    python -m flowgrpo.stream --metadata assets/prompts/streams_test.jsonl --index 3 --score
+    python -m flowgrpo.stream --metadata assets/prompts/streams_val.jsonl --index 3 --score
     python -m flowgrpo.stream --model PATH --prompt "..." --prompt "..." --switch 41 --num-frames 81 --height 480 \
         --width 832 --out outputs/stream --device cuda
     python -m flowgrpo.stream --preset self_forcing_wan --set model.stream.checkpoint=PATH/self_forcing_dmd.pt \

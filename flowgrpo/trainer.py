@@ -124,7 +124,7 @@ class Trainer(RunState, HeldOut, Guards):
         self.ema = EMA(self.params, t.ema.decay) if t.ema.enabled else None
 
         # Prompts.
-        self.train_set, self.test_set = checked.train_set, checked.test_set
+        self.train_set, self.val_set = checked.train_set, checked.val_set
         self.prompt_pools = prompt_pools(self.train_set, cfg.data.sampling)
         self.curriculum = None
         if cfg.data.sampling == "cgpo":  # CGPO's curriculum over the GenEval tags (flowgrpo.curriculum)
@@ -179,8 +179,8 @@ class Trainer(RunState, HeldOut, Guards):
             self.batch.banner(),
             f"algorithm: {self.algorithm.describe()}",
             f"trainable: {n_train:,} of {n_all:,} transformer parameters ({self.cfg.model.finetune}); "
-            f"reward: {self.reward_label()}; train prompts {len(self.train_set)}, held-out "
-            f"{len(self.test_set) if self.test_set else 0}; output: {self.out}",
+            f"reward: {self.reward_label()}; train prompts {len(self.train_set)}, validation "
+            f"{len(self.val_set) if self.val_set else 0}; output: {self.out}",
         ])
 
     def reward_label(self) -> str:
@@ -441,12 +441,10 @@ class Trainer(RunState, HeldOut, Guards):
             out[f"reward/{k}"] = float(torch.nanmean(g)) if torch.any(~torch.isnan(g)) else float("nan")
         if batch.degenerate is not None:  # a collapsing model (all black, flat, noise) shows here first
             out["reward/degenerate_fraction"] = float(self.acc.gather(batch.degenerate.contiguous()).mean())
-        # reward=multi: how saturated each term is (spread, Hoyer index) and how much of it the final advantage follows
-        weighted = list(getattr(self.reward, "weights", None) or ())
-        if weighted:
-            out.update({f"groups/{k}": v for k, v in
-                        component_group_stats(gathered, weighted, self.cfg.trainer.group_size,
-                                              advantages=batch.global_advantages).items()})
+        weighted = list(getattr(self.reward, "weights", None) or ())  # reward=multi: each term's spread and Hoyer
+        if weighted:  # index, and how closely the final advantage follows it
+            stats = component_group_stats(gathered, weighted, self.cfg.trainer.group_size, batch.global_advantages)
+            out.update({f"groups/{k}": v for k, v in stats.items()})
         out.update({f"adv/{k}": v for k, v in advantage_stats(batch.global_advantages, rewards,
                                                               self.cfg.trainer.group_size).items()})
         if self.aggregator is not None:

@@ -11,7 +11,7 @@ r"""Held-out GenEval of a pipeline with the trainer's evaluation protocol, image
 
 The protocol is :mod:`flowgrpo.evaluation`'s, the code ``Trainer.evaluate`` runs, on the config ``python train.py``
 composes (``--set`` adds any override of its command line, e.g. ``--set model=tiny_sd3``): per held-out prompt of
-``data.test_file`` (``--prompts``), ``trainer.eval_samples_per_prompt`` images (``--samples``), raised so that
+``data.val_file`` (``--prompts``), ``trainer.eval_samples_per_prompt`` images (``--samples``), raised so that
 every tag gets at least ``trainer.eval_samples_per_tag`` (``--samples-per-tag``; the shapes test set: 48, so 300
 images); sample j of prompt i starts from the noise of the generator seeded by ``(trainer.eval_seed, i, j)``
 (``--seed``), whatever the batching or the tags kept; deterministic Euler ODE over ``sampler.eval_num_steps``
@@ -133,7 +133,7 @@ def config(args):
         ("model", "pretrained"): args.pretrained,
         ("model", "guidance_scale"): args.guidance_scale,
         ("model", "max_sequence_length"): args.max_sequence_length,
-        ("data", "test_file"): args.prompts,
+        ("data", "val_file"): args.prompts,
         ("sampler", "eval_num_steps"): args.steps,
         ("trainer", "eval_seed"): args.seed,
         ("trainer", "eval_samples_per_prompt"): args.samples,
@@ -151,9 +151,9 @@ def evaluate(args) -> dict:
         torch.set_num_threads(args.threads)
     cfg = config(args)
     t = cfg.trainer
-    prompts = build_prompts(cfg.data, "test")
+    prompts = build_prompts(cfg.data, "val")
     if prompts is None:
-        raise SystemExit("data.test_file is null: no held-out prompts to evaluate (give --prompts)")
+        raise SystemExit("data.val_file is null: no held-out prompts to evaluate (give --prompts)")
     tags = None
     if args.tags is not None:
         tags = [s.strip() for s in args.tags.split(",") if s.strip()]
@@ -239,7 +239,7 @@ def parse_args(argv=None):
     p.add_argument("--video", action="store_true",
                    help=f"the moving-shapes video world: --set {' --set '.join(VIDEO)} before the other --set")
     p.add_argument("--pretrained", default=None, help="pipeline directory (default: model.pretrained)")
-    p.add_argument("--prompts", default=None, help="GenEval metadata JSONL (default: data.test_file)")
+    p.add_argument("--prompts", default=None, help="GenEval metadata JSONL (default: data.val_file)")
     p.add_argument("--samples", type=int, default=None,
                    help="images per prompt (default: trainer.eval_samples_per_prompt; GenEval: 4)")
     p.add_argument("--samples-per-tag", type=_per_tag, default=None,

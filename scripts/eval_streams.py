@@ -4,7 +4,7 @@ r"""Held-out evaluation of a streaming model on the moving-shapes world's stream
     python scripts/eval_streams.py                                         # the embedded streaming model
     python scripts/eval_streams.py --model outputs/pretrain_tiny_causal_wan/export --streams 48 --sheet /tmp/s.png
 
-For every held-out stream of ``--prompts`` (default ``assets/prompts/streams_test.jsonl``, the first ``--streams``
+For every held-out stream of ``--prompts`` (default ``assets/prompts/streams_val.jsonl``, the first ``--streams``
 of them), ``--samples`` videos, sample ``j`` of stream ``i`` from the noise of the generator seeded by
 ``(--seed, i, j)`` whatever the batching; streams that switch at the same frames are generated together (the
 pipeline's rows share their switch frames), ``--batch`` at a time, with the model's own ``stream_config.json``.
@@ -119,7 +119,7 @@ def evaluate(args) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(ROOT / "assets" / "tiny-causal-wan-shapes"), help="streaming model dir")
-    p.add_argument("--prompts", default=str(ROOT / "assets" / "prompts" / "streams_test.jsonl"))
+    p.add_argument("--prompts", default=str(ROOT / "assets" / "prompts" / "streams_val.jsonl"))
     p.add_argument("--streams", type=int, default=0, help="the first N streams of the file (0: all)")
     p.add_argument("--samples", type=int, default=1, help="videos per stream")
     p.add_argument("--seed", type=int, default=0)

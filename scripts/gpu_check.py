@@ -239,7 +239,7 @@ def compose_row(model: str, algorithm: str, tiny: bool, extra: list[str], out_di
     option, overrides = (TINY if tiny else MODELS)[model]
     recipe = ALGORITHMS_OF[model][algorithm]
     streams = out_dir / "streams.jsonl"
-    data = ["data=text_prompts", "data.format=jsonl", f"data.train_file={streams}", "data.test_file=null"]
+    data = ["data=text_prompts", "data.format=jsonl", f"data.train_file={streams}", "data.val_file=null"]
     cfg = compose([f"model={option}", *REWARDS[model], *(data if streaming(model) else []), "logger=none",
                    "trainer.iterations=1000", "trainer.eval_before=false", "trainer.eval_every=0",
                    "trainer.gallery_every=0", f"trainer.output_dir={out_dir}", *scoped(overrides, recipe), *recipe,

@@ -1,21 +1,24 @@
-"""Write the shapes world's fixed prompt sets: assets/prompts/{shapes,motion,streams}_{train,test}.jsonl.
+"""Write the worlds' fixed prompt sets: assets/prompts/{shapes,motion}_{train,held_out}.jsonl, streams_*.jsonl.
 
     python scripts/make_prompts.py            # seed 0, a third of each tag held out
     python scripts/make_prompts.py --check    # verify the committed files match (exit 1 if not)
 
 Every distinct GenEval prompt of the shapes world (240: 3 single_object, 6 two_object, 9 counting,
-18 colors, 24 position, 180 color_attr) is split per tag into disjoint train / held-out test sets
+18 colors, 24 position, 180 color_attr) is split per tag into disjoint train / held-out sets
 (flowgrpo.world.split_prompts: a seeded permutation whose train part still contains every class,
-colour, count and relation of the tag). One GenEval metadata dict per line, GenEval's key order.
+colour, count and relation of the tag). One GenEval metadata dict per line, GenEval's key order. The world has no
+other prompts, so its validation and test sets are the held-out prompts under two noise streams.
 
 The moving-shapes (video) prompts, 426 (72 motion, 120 two_object_motion, 54 counting, 18 colors, 144 speed,
-18 static), are split the same way (flowgrpo.world.split_motion_prompts) into motion_{train,test}.jsonl.
+18 static), are split the same way (flowgrpo.world.split_motion_prompts) into motion_{train,held_out}.jsonl.
 
 The streams (long clips whose prompt switches 1-3 times) are 400 distinct prompt sequences of 49 frames drawn by
-flowgrpo.world.split_stream_prompts, 300 train and 100 held out (no sequence in both), in streams_{train,test}.jsonl:
+flowgrpo.world.split_stream_prompts, 300 train and 100 validation (no sequence in both), in streams_{train,val}.jsonl:
 one stream metadata dict per line (num_frames, tag, segments with their start frames, the joined prompt).
-streams_one_object_test.jsonl holds 100 more held-out one-object streams (flowgrpo.world.one_object_held_out, seed 1),
-none of whose prompt sequences is in either file: the held-out set of data=one_object_streams.
+streams_one_object_val.jsonl holds 100 more held-out one-object streams (flowgrpo.world.one_object_held_out, seed 1),
+none of whose prompt sequences is in either file: the validation set of data=one_object_streams. The test sets,
+streams_test.jsonl (seed 2, any objects) and streams_one_object_test.jsonl (seed 3, one object), hold 100 streams
+each whose prompt sequences are in no file written before them.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import sys
 from pathlib import Path
 
 from flowgrpo import jsonio
-from flowgrpo.world import MOTION_TAGS, TAGS, one_object_held_out, split_motion_prompts, split_prompts, split_stream_prompts
+from flowgrpo.world import (MOTION_TAGS, TAGS, more_held_out_streams, one_object_held_out, split_motion_prompts,
+                            split_prompts, split_stream_prompts)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,15 +50,19 @@ def main() -> int:
     files = {}
     for world, tags, split in (("shapes", TAGS, split_prompts), ("motion", MOTION_TAGS, split_motion_prompts)):
         train, test = split(seed=args.seed, test_fraction=args.test_fraction)
-        files |= {f"{world}_train.jsonl": _lines(train), f"{world}_test.jsonl": _lines(test)}
-        counts = {name: collections.Counter(r["tag"] for r in rows) for name, rows in (("train", train), ("test", test))}
+        files |= {f"{world}_train.jsonl": _lines(train), f"{world}_held_out.jsonl": _lines(test)}
+        counts = {name: collections.Counter(r["tag"] for r in rows) for name, rows in (("train", train), ("held_out", test))}
         print(world, jsonio.dumps({s: {t: c[t] for t in tags} | {"total": sum(c.values())} for s, c in counts.items()}))
     train, test = split_stream_prompts(seed=args.seed)
-    files |= {"streams_train.jsonl": _lines(train), "streams_test.jsonl": _lines(test)}
+    files |= {"streams_train.jsonl": _lines(train), "streams_val.jsonl": _lines(test)}
     one_object = one_object_held_out(100, seed=args.seed + 1, exclude=train + test)
-    files["streams_one_object_test.jsonl"] = _lines(one_object)
+    files["streams_one_object_val.jsonl"] = _lines(one_object)
+    final = more_held_out_streams(100, args.seed + 2, train + test + one_object)
+    one_object_final = more_held_out_streams(100, args.seed + 3, train + test + one_object + final, objects=1)
+    files |= {"streams_test.jsonl": _lines(final), "streams_one_object_test.jsonl": _lines(one_object_final)}
     counts = {name: collections.Counter(f"{r['tag']}/{len(r['segments']) - 1}_switches" for r in rows)
-              for name, rows in (("train", train), ("test", test), ("one_object_test", one_object))}
+              for name, rows in (("train", train), ("val", test), ("one_object_val", one_object), ("test", final),
+                                 ("one_object_test", one_object_final))}
     print("streams", jsonio.dumps({s: dict(sorted(c.items())) | {"total": sum(c.values())} for s, c in counts.items()}))
     if args.check:
         stale = [n for n, text in files.items() if not (args.out_dir / n).exists() or (args.out_dir / n).read_text() != text]

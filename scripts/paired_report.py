@@ -134,6 +134,13 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _split(paired: dict) -> dict:
+    """What a paired evaluation scored: its prompt and sample counts, its split (``val``: the validation set; older
+    reports scored it and say nothing) and the prompts file given instead of the split's."""
+    return {"prompts": paired["prompts"], "samples": paired["samples"], "split": paired.get("split", "val"),
+            "prompts_file": paired.get("prompts_file")}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arm", action="append", required=True,
@@ -152,15 +159,13 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         paired = json.loads(path.read_text())
         runs = summarise(paired, train_keys)
-        report["arms"][label] = {"source": path.name, "prompts": paired["prompts"], "samples": paired["samples"],
-                                 "test_file": paired.get("test_file"), "runs": runs, "mean": mean_over_runs(runs)}
+        report["arms"][label] = {"source": path.name, **_split(paired), "runs": runs, "mean": mean_over_runs(runs)}
     for label, path in map(_labelled, args.apart):
         paired = json.loads(path.read_text())
         runs = [{**{k: v for k, v in r.items() if k != "metrics"},
                  "by_tag": {k: v for k, v in r["metrics"].items() if k.startswith("by_tag/")}}
                 for r in summarise(paired)]
-        report["apart"][label] = {"source": path.name, "prompts": paired["prompts"], "samples": paired["samples"],
-                                  "test_file": paired.get("test_file"), "runs": runs}
+        report["apart"][label] = {"source": path.name, **_split(paired), "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(jsonio.dumps(report, indent=1) + "\n")
     plot(report, args.out.with_suffix(".png"))

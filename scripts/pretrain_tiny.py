@@ -42,7 +42,7 @@ Training, in stages over one global step counter (so one ``--resume`` covers all
 Data: every batch is freshly rendered by the shapes world (``flowgrpo.world``) from random GenEval metadata
 over all six tags (uniform over tags, then uniform over classes / colours / counts / relations; random
 layouts and random colours where the prompt names none). The held-out prompts
-(``assets/prompts/shapes_test.jsonl``) are never rendered unless ``--include-test-prompts``: the held-out
+(``assets/prompts/shapes_held_out.jsonl``) are never rendered unless ``--include-test-prompts``: the held-out
 GenEval score then measures composition of seen words, not memorisation.
 
 The padding trick. Without T5 the pipeline appends ``max_sequence_length`` (256 by default) identical zero
@@ -83,7 +83,7 @@ from flowgrpo.world import CLASSES, COUNT_WORDS, PALETTE, RELATIONS, TAGS, draw,
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "assets" / "tiny-sd3-shapes"
 DEFAULT_CKPT = ROOT / "outputs" / "pretrain_tiny"  # git-ignored; tens of MB
-TEST_PROMPTS = ROOT / "assets" / "prompts" / "shapes_test.jsonl"
+TEST_PROMPTS = ROOT / "assets" / "prompts" / "shapes_held_out.jsonl"
 PIPELINE_PAD_TOKENS = 256  # StableDiffusion3Pipeline's default max_sequence_length (zeros in place of T5)
 
 # Model sizes. "asset" is what ships; "toy" is for tests and smoke runs (seconds on a CPU).

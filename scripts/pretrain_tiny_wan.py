@@ -37,7 +37,7 @@ already show random motion. The pipeline then moves objects the wrong way or not
 training and held-out prompts alike, and guidance cannot remove it: the failure GRPO with a motion reward fixes.
 
 Data: fresh clips from ``flowgrpo.world`` (uniform tag, then uniform classes, colours, counts, directions, speeds;
-``two_object_motion`` over all 2880 combinations); the held-out prompts (``assets/prompts/motion_test.jsonl``) are
+``two_object_motion`` over all 2880 combinations); the held-out prompts (``assets/prompts/motion_held_out.jsonl``) are
 never rendered. The flow stage draws its batches from a bank of encoded clips refreshed every step
 (``--bank-size`` / ``--bank-refresh``; encoding 32 clips costs 0.77 s, 70% of their transformer step's 1.1 s, one thread).
 
@@ -96,7 +96,7 @@ from flowgrpo.world import (  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "assets" / "tiny-wan-shapes"
 DEFAULT_CKPT = ROOT / "outputs" / "pretrain_tiny_wan"  # git-ignored
-TEST_PROMPTS = ROOT / "assets" / "prompts" / "motion_test.jsonl"
+TEST_PROMPTS = ROOT / "assets" / "prompts" / "motion_held_out.jsonl"
 PIPELINE_MAX_SEQUENCE_LENGTH = 512  # WanPipeline.__call__'s default
 
 SIZES = {

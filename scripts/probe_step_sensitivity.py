@@ -15,8 +15,8 @@ are sampled from the same noise before and after.
 Reported per latent frame (a streaming model: per block of its stream; a clip model: per latent frame of its clip):
 the RMS change of the clean latents, and the RMS difference of an independent redraw (the same prompts, other noise),
 the scale of "a different sample"; their ratio says what share of a new sample one step is. Streaming models sample
-the held-out streams of ``assets/prompts/streams_test.jsonl`` with their own sampler (``stream_config.json``: steps,
-guidance); clip models the held-out prompts of ``assets/prompts/motion_test.jsonl`` with the pipeline's own sampler
+the held-out streams of ``assets/prompts/streams_val.jsonl`` with their own sampler (``stream_config.json``: steps,
+guidance); clip models the held-out prompts of ``assets/prompts/motion_held_out.jsonl`` with the pipeline's own sampler
 (``--clip-steps``, guidance ``--clip-guidance``, 13 frames).
 """
 
@@ -74,7 +74,7 @@ def stream_latents(path: str, n: int, seed: int):
     stream = StreamingWanPipeline.from_pretrained(path)
     adapter = StreamAdapter(stream)
     c = stream.config
-    metas = read_jsonl(ROOT / "assets" / "prompts" / "streams_test.jsonl", n)
+    metas = read_jsonl(ROOT / "assets" / "prompts" / "streams_val.jsonl", n)
     num_frames = int(metas[0]["num_frames"])
     model_kw = {"guidance": {"guidance_scale": c.guidance_scale}, "negative_prompt": c.negative_prompt,
                 "max_sequence_length": c.max_sequence_length,
@@ -97,7 +97,7 @@ def clip_latents(path: str, n: int, seed: int, steps: int, guidance: float):
 
     pipe = WanPipeline.from_pretrained(path)
     pipe.set_progress_bar_config(disable=True)
-    prompts = [r["prompt"] for r in read_jsonl(ROOT / "assets" / "prompts" / "motion_test.jsonl", n)]
+    prompts = [r["prompt"] for r in read_jsonl(ROOT / "assets" / "prompts" / "motion_held_out.jsonl", n)]
     channels = pipe.transformer.config.in_channels
     frames, h, w = (13 - 1) // pipe.vae_scale_factor_temporal + 1, 64 // pipe.vae_scale_factor_spatial, \
         64 // pipe.vae_scale_factor_spatial

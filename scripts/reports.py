@@ -321,7 +321,7 @@ def paired(d: dict, depth: int) -> list[str]:
     trained = [(f"{n}: {r.get('run')}", r["training"]) for n, a in arms.items() for r in a["runs"] if r.get("training")]
     out += details("Training metrics of each run, first quarter → last quarter", records(trained, 9)) * bool(trained)
     for n, a in d.get("apart", {}).items():
-        out += heading(f"{esc(n)}: {a.get('test_file') or a.get('source')}", depth)
+        out += heading(f"{esc(n)}: {a.get('prompts_file') or a.get('source')}", depth)
         out += paired_columns([(r.get("run"), r.get("by_tag") or r.get("metrics", {})) for r in a["runs"]])
     return out + generic(rest(d, "arms", "apart"), depth)
 

@@ -58,14 +58,14 @@ PARTNERS: dict[tuple[str, str], list[str]] = {
 # Keys left for the user to fill (``???``) by design.
 EXPECTED_MISSING = {
     ("data", "text_prompts"): {"data.train_file"},
-    ("data", "geneval"): {"data.train_file", "data.test_file"},
-    ("experiment", "flow_grpo_sd35m_geneval"): {"data.train_file", "data.test_file"},
+    ("data", "geneval"): {"data.train_file", "data.val_file"},
+    ("experiment", "flow_grpo_sd35m_geneval"): {"data.train_file", "data.val_file"},
     ("experiment", "flow_grpo_wan21_1_3b"): {"data.train_file"},  # the user's prompt list
     ("experiment", "flow_grpo_wan22_5b"): {"data.train_file"},
     ("model", "self_forcing_wan"): {"model.stream.checkpoint"},  # the user's checkpoint files
     ("model", "longlive_wan"): {"model.stream.checkpoint", "model.stream.lora_checkpoint"},
     ("experiment", "kvpo_longlive"): {"model.stream.checkpoint", "model.stream.lora_checkpoint", "data.train_file"},
-    ("experiment", "flow_grpo_sd35l_geneval"): {"data.train_file", "data.test_file"},
+    ("experiment", "flow_grpo_sd35l_geneval"): {"data.train_file", "data.val_file"},
     ("experiment", "dance_grpo_flux_hps"): {"data.train_file"},
     ("experiment", "stream_grpo_self_forcing"): {"model.stream.checkpoint", "data.train_file"},
     ("experiment", "stream_awm_self_forcing"): {"model.stream.checkpoint", "data.train_file"},
@@ -454,21 +454,21 @@ def test_data_configs_instantiate(hydra_compose, prompt_files):
     if (REPO_ROOT / cfg.data.train_file).is_file():
         train = build_prompts(cfg.data, "train")
         assert len(train) and len(train.metadata) == len(train) and "include" in train.metadata[0]
-        assert len(build_prompts(cfg.data, "test"))
+        assert len(build_prompts(cfg.data, "val"))
     else:
         with pytest.raises(FileNotFoundError, match=r"data\.train_file"):
             build_prompts(cfg.data, "train")
 
-    cfg = hydra_compose(["data=geneval_shapes", f"data.train_file={prompt_files['jsonl']}", "data.test_file=null",
+    cfg = hydra_compose(["data=geneval_shapes", f"data.train_file={prompt_files['jsonl']}", "data.val_file=null",
                          "data.max_prompts=2"])
     train = build_prompts(cfg.data)
     assert train.prompts == [r["prompt"] for r in prompt_files["records"][:2]]
     assert train.metadata == prompt_files["records"][:2]
-    assert build_prompts(cfg.data, "test") is None
-    cfg = hydra_compose(["data=geneval_shapes", f"data.train_file={prompt_files['jsonl']}", f"data.test_file={prompt_files['jsonl']}",
+    assert build_prompts(cfg.data, "val") is None
+    cfg = hydra_compose(["data=geneval_shapes", f"data.train_file={prompt_files['jsonl']}", f"data.val_file={prompt_files['jsonl']}",
                          "data.train_tags=[position,single_object]"])
     assert build_prompts(cfg.data).metadata == [prompt_files["records"][0], prompt_files["records"][2]]  # file order
-    assert len(build_prompts(cfg.data, "test")) == 3  # held-out prompts are never filtered
+    assert len(build_prompts(cfg.data, "val")) == 3  # held-out prompts are never filtered
     for tags, message in (("[counting,colors]", r"data\.train_tags=\['counting', 'colors'\]: no prompt has tag\(s\) \['colors'\]; "
                                                 r"the tags of .* are \['counting', 'position', 'single_object'\]"),
                           ("[]", r"data\.train_tags=\[\]: no tags given")):

@@ -493,8 +493,8 @@ def test_the_held_out_gallery_shows_every_tag_and_leaves_the_scores_alone(tmp_pa
     assert len(jobs) > 8 and jobs[:4] == [(0, 0), (0, 1), (0, 2), (0, 3)]  # the first prompt 4 times
     assert result == trainer.held_out_samples(jobs).scalars("eval")
     rows = read_gallery(tmp_path / "gallery" / "eval" / "step-000000.parquet")
-    tags = {m["tag"]: None for m in trainer.test_set.subset([i for i, _ in jobs]).metadata}
-    by_prompt = {p: m["tag"] for p, m in zip(trainer.test_set.prompts, trainer.test_set.metadata)}
+    tags = {m["tag"]: None for m in trainer.val_set.subset([i for i, _ in jobs]).metadata}
+    by_prompt = {p: m["tag"] for p, m in zip(trainer.val_set.prompts, trainer.val_set.metadata)}
     assert len(rows) == 8 and {by_prompt[r["prompt"]] for r in rows} == set(tags)
 
 

@@ -157,7 +157,7 @@ def test_split_is_disjoint_covers_every_word_in_train_and_is_committed():
 
     for tag in MOTION_TAGS:  # every class, colour, direction, speed and count of a tag is trained on
         assert words(train, tag) == words(all_motion_metadata(tag), tag), tag
-    for name, rows in (("motion_train.jsonl", train), ("motion_test.jsonl", test)):
+    for name, rows in (("motion_train.jsonl", train), ("motion_held_out.jsonl", test)):
         on_disk = [json.loads(line) for line in (ROOT / "assets" / "prompts" / name).read_text().splitlines()]
         assert on_disk == rows, f"assets/prompts/{name} is stale: run python scripts/make_prompts.py"
     done = subprocess.run([sys.executable, "scripts/make_prompts.py", "--check"], cwd=ROOT, capture_output=True, text=True)

@@ -62,7 +62,7 @@ def _aesthetic_mlp(root: Path) -> Path:
 # name -> (kwargs given the twins' folder, "image" | "video" | "stream", metadata file or None). Every registered
 # reward is here or in NOT_BUILT, so a new reward is held to both rules by being registered.
 OFFLINE = {
-    "geneval": (lambda d: {"detector": "shapes"}, "image", "shapes_test.jsonl"),
+    "geneval": (lambda d: {"detector": "shapes"}, "image", "shapes_held_out.jsonl"),
     "jpeg_compressibility": (lambda d: {}, "image", None),
     "jpeg_incompressibility": (lambda d: {}, "image", None),
     "ocr": (lambda d: {"num_threads": 1}, "image", None),
@@ -70,21 +70,21 @@ OFFLINE = {
     "multi": (lambda d: {"components": [{"name": "geneval", "kwargs": {"detector": "shapes"}},
                                         {"name": "jpeg_compressibility", "weight": 0.1},
                                         {"target": "rewards.examples:redness", "weight": 0.5}]}, "image",
-              "shapes_test.jsonl"),
+              "shapes_held_out.jsonl"),
     "remote": (lambda d: {"url": "http://127.0.0.1:9/score", "retries": 0, "retry_window": 0.0}, "image", None),
     "pickscore": (lambda d: {"model_path": str(_clip_twin(d / "clip")), "processor_path": str(d / "clip"),
                              "device": "cpu"}, "image", None),
     "clipscore": (lambda d: {"clip_path": str(_clip_twin(d / "clip")), "device": "cpu"}, "image", None),
     "aesthetic": (lambda d: {"checkpoint": str(_aesthetic_mlp(d)), "clip_path": str(_clip_twin(d / "clip")),
                              "device": "cpu"}, "image", None),
-    "video_geneval": (lambda d: {}, "video", "motion_test.jsonl"),
+    "video_geneval": (lambda d: {}, "video", "motion_held_out.jsonl"),
     "video_clip": (lambda d: {"clip_path": str(_clip_twin(d / "clip")), "num_frames": 2}, "video", None),
     "video_consistency": (lambda d: {"backbone": "pixels", "model_path": None}, "video", None),
     "video_flicker": (lambda d: {}, "video", None),
     "video_motion": (lambda d: {"method": "frame_diff"}, "video", None),
     "video_sharpness": (lambda d: {}, "video", None),
-    "long_video": (lambda d: {}, "stream", "streams_test.jsonl"),
-    "segments": (lambda d: {"reward": "video_flicker"}, "stream", "streams_test.jsonl"),
+    "long_video": (lambda d: {}, "stream", "streams_val.jsonl"),
+    "segments": (lambda d: {"reward": "video_flicker"}, "stream", "streams_val.jsonl"),
 }
 #: rewards whose weights have no cheap twin here (their conversions are the shared ones; tests/test_learned_rewards.py)
 NOT_BUILT = {"hpsv21": "an open_clip ViT twin", "imagereward": "a BLIP twin in ImageReward.pt's layout"}

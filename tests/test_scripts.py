@@ -357,7 +357,7 @@ def test_eval_geneval_scores_videos_and_draws_a_labelled_sample_sheet(tmp_path):
     from PIL import Image
 
     ev = load_script("eval_geneval")
-    rows = [json.loads(line) for line in (SCRIPTS.parent / "assets/prompts/motion_test.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (SCRIPTS.parent / "assets/prompts/motion_held_out.jsonl").read_text().splitlines()]
     picked = [next(m for m in rows if m["tag"] == tag) for tag in ("speed", "two_object_motion", "counting")]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(m) + "\n" for m in picked))
@@ -662,6 +662,15 @@ def test_paired_eval_scores_base_and_checkpoint_on_the_trainers_held_out_jobs(tm
     trained = paired_eval.main([str(run), "--raw"])["runs"][0]
     assert trained["weights"] == "raw" and trained["metrics"]["reward"]["trained"] == pytest.approx(raw, abs=1e-5)
     assert trained["metrics"]["reward"]["base"] == r["base"]
+    # the test set: the same held-out prompts here (the shapes world has no others), under noise of its own
+    test = paired_eval.main([str(run), "--split", "test"])
+    t = test["runs"][0]
+    assert test["split"] == t["split"] == "test" and t["metrics"]["reward"]["n"] == 3
+    assert t["prompts_file"] == report["runs"][0]["prompts_file"]
+    assert t["samples"]["base"]["reward"] != report["runs"][0]["samples"]["base"]["reward"]
+    OmegaConf.save(OmegaConf.merge(cfg, {"data": {"test_file": None}}), run / "config.yaml", resolve=True)
+    with pytest.raises(SystemExit, match=r"data\.test_file is null: no test prompts"):
+        paired_eval.main([str(run), "--split", "test"])
     # the statistics of the pairs; a sample a component does not define (NaN) is left out of both
     s = paired_eval.paired([0.0, 1.0, 2.0, float("nan")], [1.0, 1.0, 4.0, 3.0])
     assert (s["n"], s["change"], s["improved"], s["worse"]) == (3, 1.0, 2 / 3, 0.0)

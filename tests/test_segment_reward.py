@@ -12,7 +12,7 @@ import torch
 import rewards
 from flowgrpo.world.streams import perturb_stream, render_stream
 
-STREAMS = Path(__file__).resolve().parents[1] / "assets" / "prompts" / "streams_test.jsonl"
+STREAMS = Path(__file__).resolve().parents[1] / "assets" / "prompts" / "streams_val.jsonl"
 
 
 def _video(meta, seed=0):

@@ -157,7 +157,7 @@ def test_prompt_sets_are_disjoint_seeded_and_committed():
     for tag in ("counting", "colors", "position", "color_attr"):  # held-out prompts are new combinations
         words = lambda rows: {(k, c.get(k)) for m in rows if m["tag"] == tag for c in m["include"] for k in ("class", "color")}  # noqa: E731
         assert words(test) <= words(train)
-    for name, rows in (("shapes_train.jsonl", train), ("shapes_test.jsonl", test)):
+    for name, rows in (("shapes_train.jsonl", train), ("shapes_held_out.jsonl", test)):
         on_disk = [json.loads(line) for line in (ROOT / "assets" / "prompts" / name).read_text().splitlines()]
         assert on_disk == rows, f"assets/prompts/{name} is stale: run python scripts/make_prompts.py"
 

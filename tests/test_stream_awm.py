@@ -384,7 +384,7 @@ def test_the_module_registers_a_streaming_algorithm_and_its_preset_trains_one_ob
         assert ours[group] == grpo[group], group
     # ... on one-object streams: trained on those of the streams training file, held out on their own file
     assert ours.data.train_file == grpo.data.train_file and list(ours.data.train_tags) == ["one_object_stream"]
-    held_out = [json.loads(line) for line in (ROOT / ours.data.test_file).read_text().splitlines()]
+    held_out = [json.loads(line) for line in (ROOT / ours.data.val_file).read_text().splitlines()]
     assert len(held_out) == 100 and {m["tag"] for m in held_out} == {"one_object_stream"}
     t = ours.trainer
     assert t.prompts_per_iteration * t.group_size == t.train_batch_size * t.gradient_accumulation_steps

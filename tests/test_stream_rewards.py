@@ -26,7 +26,7 @@ from flowgrpo.world.streams import StreamTrack
 from rewards.streams import COMPONENTS, NAMES, VERSION, LongVideoReward, segment_asks
 
 ROOT = Path(__file__).resolve().parents[1]
-TEST_STREAMS = [json.loads(line) for line in (ROOT / "assets/prompts/streams_test.jsonl").read_text().splitlines()]
+TEST_STREAMS = [json.loads(line) for line in (ROOT / "assets/prompts/streams_val.jsonl").read_text().splitlines()]
 POSITIVE = 0.99  # clean rendered positives score at least this (measured: 1.00)
 POSITIVE_BLUR = 0.98  # Gaussian blur sigma 1 px (measured: 1.00)
 NEGATIVE = 0.98  # every negative scores at most this (measured, 10 per kind: at most 0.979: 1 of 2 objects teleports)

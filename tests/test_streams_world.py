@@ -219,7 +219,7 @@ def test_split_is_disjoint_covers_every_word_in_train_and_is_committed(split):
 
     assert words(train) >= words(test) and {("motion", d) for d in (*DIRECTIONS, "still")} <= words(train)
     assert {m["tag"] for m in test} == {"one_object_stream", "two_object_stream"}
-    for name, rows in (("streams_train.jsonl", train), ("streams_test.jsonl", test)):
+    for name, rows in (("streams_train.jsonl", train), ("streams_val.jsonl", test)):
         assert _rows(name) == rows, f"assets/prompts/{name} is stale: run python scripts/make_prompts.py"
     done = subprocess.run([sys.executable, "scripts/make_prompts.py", "--check"], cwd=ROOT, capture_output=True,
                           text=True)
@@ -237,8 +237,8 @@ def test_one_object_held_out_set_is_outside_both_streams_files_and_committed(spl
     for m in rows:
         validate_stream_metadata(m)
         assert all(len(s["include"]) == 1 for s in m["segments"])
-    assert _rows("streams_one_object_test.jsonl") == rows, \
-        "assets/prompts/streams_one_object_test.jsonl is stale: run python scripts/make_prompts.py"
+    assert _rows("streams_one_object_val.jsonl") == rows, \
+        "assets/prompts/streams_one_object_val.jsonl is stale: run python scripts/make_prompts.py"
     # the exclusion is honoured: excluding the first draws changes the set
     again = one_object_held_out(10, seed=1, exclude=train + test + rows[:5])
     assert not {sequence_key(m) for m in again} & {sequence_key(m) for m in rows[:5]}

@@ -35,7 +35,7 @@ from rewards.geneval import VIDEO_TAGS, Detection, VideoGenEval
 from rewards.geneval.video import CHECKS, SPEED_BANDS, fit_velocity
 
 ROOT = Path(__file__).resolve().parents[1]
-TEST_PROMPTS = [json.loads(line) for line in (ROOT / "assets" / "prompts" / "motion_test.jsonl").read_text().splitlines()]
+TEST_PROMPTS = [json.loads(line) for line in (ROOT / "assets" / "prompts" / "motion_held_out.jsonl").read_text().splitlines()]
 # mid-clip edits drawn frame by frame (draw_frames); the last two need two objects
 EDITS = ("vanish", "appear", "recolor", "reclass", "swap_colors", "swap_places")
 # which check must fail for each negative kind (others may fail too)

@@ -199,7 +199,7 @@ def test_metrics_and_summary_are_strict_json_when_a_value_is_nan(project):
         score = images.mean(dim=(1, 2, 3))
         return rewards.RewardOutput(score, {"undefined": torch.full_like(score, math.nan)})
 
-    summary = flowgrpo.train(["data=text_prompts", "data.train_file=prompts.txt", "data.test_file=prompts.txt",
+    summary = flowgrpo.train(["data=text_prompts", "data.train_file=prompts.txt", "data.val_file=prompts.txt",
                               "trainer.eval_before=true", "trainer.eval_at_end=false", "trainer.eval_num_prompts=2",
                               "trainer.eval_samples_per_tag=null", *FAST, "trainer.output_dir=nan"],
                              reward=partly_defined)

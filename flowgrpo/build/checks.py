@@ -22,7 +22,7 @@ from .reward import build_reward
 
 __all__ = ["reward_modality", "check_reward_model", "check_prompt_metadata", "MIN_FREE_BYTES", "checkpoint_bytes",
            "check_output_dir", "Preflight", "check_config", "preflight", "size_multiples", "check_sizes",
-           "check_stream_prompts"]
+           "check_stream_prompts", "held_out_prompts"]
 
 
 def _model_modality(model: DictConfig) -> str:
@@ -143,11 +143,12 @@ def check_output_dir(path: str | os.PathLike, need_bytes: int = MIN_FREE_BYTES) 
 
 @dataclass
 class Preflight:
-    """What :func:`preflight` built on the way: the reward and the prompt sets, checked against each other."""
+    """What :func:`preflight` built on the way: the reward and the prompt sets, checked against each other (the test
+    set is not among them: only the reporting command reads it, through :func:`held_out_prompts`)."""
 
     reward: Any
     train_set: PromptSet
-    test_set: PromptSet | None
+    val_set: PromptSet | None
 
 
 def check_config(cfg: DictConfig, num_processes: int = 1) -> None:
@@ -167,14 +168,20 @@ def preflight(cfg: DictConfig, output_dir: str | os.PathLike) -> Preflight:
     check_sizes(cfg.model)
     check_output_dir(output_dir)
     reward = build_reward(cfg.reward)
-    train_set = build_prompts(cfg.data, "train")
-    test_set = build_prompts(cfg.data, "test")
-    for prompts, key in ((train_set, "data.train_file"), (test_set, "data.test_file")):
-        if prompts is not None:
-            check_prompt_metadata(prompts, reward, str(cfg.reward.name), key)
-            if cfg.model.family == STREAM_FAMILY:
-                check_stream_prompts(prompts, cfg.model, key)
-    return Preflight(reward, train_set, test_set)
+    train_set = held_out_prompts(cfg, reward, "train")
+    return Preflight(reward, train_set, held_out_prompts(cfg, reward, "val"))
+
+
+def held_out_prompts(cfg: DictConfig, reward, split: str) -> PromptSet | None:
+    """The ``split`` prompt set of ``cfg.data`` (``train``, ``val`` or ``test``), its metadata checked against
+    ``reward``'s schema and, for a streaming model, its streams against the model; None for a null held-out file."""
+    prompts = build_prompts(cfg.data, split)
+    if prompts is not None:
+        key = f"data.{split}_file"
+        check_prompt_metadata(prompts, reward, str(cfg.reward.name), key)
+        if cfg.model.family == STREAM_FAMILY:
+            check_stream_prompts(prompts, cfg.model, key)
+    return prompts
 
 
 def size_multiples(model: DictConfig) -> dict | None:

@@ -114,14 +114,16 @@ def _with_tags(prompts: PromptSet, tags: list[str], key: str) -> PromptSet:
 
 
 def build_prompts(data: DictConfig, split: str = "train") -> PromptSet | None:
-    """Read the ``train`` or ``test`` prompt set of a ``data`` node. ``test`` without ``data.test_file`` → None.
+    """Read the ``train``, ``val`` (validation) or ``test`` prompt set of a ``data`` node; a held-out split whose
+    file is null → None. The trainer reads ``train`` and ``val``; only ``scripts/paired_eval.py --split test`` reads
+    ``test``.
 
     Raises:
-        FileNotFoundError: naming ``data.train_file`` / ``data.test_file`` when the file does not exist.
+        FileNotFoundError: naming ``data.<split>_file`` when the file does not exist.
     """
     validate(data)
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if split not in ("train", "val", "test"):
+        raise ValueError(f"split must be 'train', 'val' or 'test', got {split!r}")
     name = f"{split}_file"
     if OmegaConf.is_missing(data, name):
         raise ValueError(f"{config_key(data, name)} is not set: pass {config_key(data, name)}=PATH")

@@ -44,7 +44,7 @@ objects sharing the frame for 49 frames are therefore smaller on average (radius
 
 **Prompt sets.** :func:`split_stream_prompts` draws distinct prompt *sequences* (a sequence is the list of
 segment prompts, whatever its switch frames), seeded, and splits them into disjoint train / held-out sets
-(``scripts/make_prompts.py`` writes ``assets/prompts/streams_{train,test}.jsonl``).
+(``scripts/make_prompts.py`` writes ``assets/prompts/streams_{train,val,test}.jsonl``).
 
 **Negatives and caption noise.** :func:`perturb_stream` gives the metadata of what a failing stream *shows* --
 a wrong direction in one segment, a switch ignored (the old motion kept), a switch taken late, a moving segment
@@ -95,6 +95,7 @@ __all__ = [
     "sample_stream_tracks",
     "sequence_key",
     "split_stream_prompts",
+    "more_held_out_streams",
     "one_object_held_out",
     "stream_fits",
     "stream_metadata_for",
@@ -334,7 +335,15 @@ def one_object_held_out(n: int = 100, seed: int = 1, exclude: Sequence[dict] = (
     """``n`` one-object streams of distinct prompt sequences, seeded, none of whose sequence is in ``exclude``
     (e.g. both parts of :func:`split_stream_prompts`): a held-out set of streams the training split does not hold,
     in generation order. Switches 1-3 as :func:`sample_stream_metadata` draws them."""
-    return _distinct_streams(np.random.default_rng(seed), n, num_frames, {sequence_key(m) for m in exclude}, objects=1)
+    return more_held_out_streams(n, seed, exclude, num_frames, objects=1)
+
+
+def more_held_out_streams(n: int, seed: int, exclude: Sequence[dict], num_frames: int = STREAM_NUM_FRAMES,
+                          **kwargs) -> list[dict]:
+    """``n`` streams (:func:`sample_stream_metadata` with ``kwargs``, e.g. ``objects=1``) of distinct prompt
+    sequences, seeded, none of whose sequence is in ``exclude``: another held-out set (a test set beside the
+    validation set), in generation order."""
+    return _distinct_streams(np.random.default_rng(seed), n, num_frames, {sequence_key(m) for m in exclude}, **kwargs)
 
 
 def _distinct_streams(rng: np.random.Generator, n: int, num_frames: int, seen: set, **kwargs) -> list[dict]:
