@@ -39,7 +39,7 @@ Commands (argparse subparsers):
 
 ``python -m rewards video_geneval --videos DIR --metadata FILE [--out FILE]``
     Judge a folder of clips against a JSONL file of video GenEval metadata (one dict per line, e.g.
-    ``assets/prompts/motion_test.jsonl``) with ``rewards.load("video_geneval")`` and print JSON:
+    ``assets/prompts/motion_held_out.jsonl``) with ``rewards.load("video_geneval")`` and print JSON:
     ``{"summary": {...}, "videos": [...]}`` (``--out`` writes it to a file instead).
 
     A clip is one entry directly in DIR, any of:
