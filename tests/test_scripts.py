@@ -728,3 +728,26 @@ def test_paired_report_puts_methods_seeds_and_tags_side_by_side(tmp_path):
     assert again["arms"]["AWM then"]["source"] == "report.json#AWM" and again["arms"]["new"]["source"] == "arm.json"
     with pytest.raises(SystemExit, match="has no arm 'GRPO'; its arms: AWM"):
         report.main(["--arm", f"x={tmp_path / 'report.json'}#GRPO", "--out", str(tmp_path / "y")])
+
+
+def test_branch_spread_summarises_each_runs_group_spread_over_iterations(tmp_path):
+    """scripts/branch_spread.py: per run the mean over iterations of the within-group reward std and of the share of
+    tied groups, each with its standard error over iterations; per component too; a null (NaN) row is left out."""
+    spread = load_script("branch_spread")
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"iteration": 1, "adv/reward_group_std_mean": 0.01, "adv/zero_std_group_fraction": 0.5,
+             "groups/direction/group_std_mean": 0.1},
+            {"iteration": 2, "adv/reward_group_std_mean": 0.03, "adv/zero_std_group_fraction": None,
+             "groups/direction/group_std_mean": 0.3},
+            {"iteration": 2, "eval/reward": 0.4}]  # an evaluation row: no group statistics
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = spread.main([f"routed={run}", "--out", str(tmp_path / "s.json")])
+    arm = report["arms"]["routed"]
+    assert arm["iterations"] == 2 and arm["group_std"]["mean"] == pytest.approx(0.02)
+    assert arm["group_std"]["se"] == pytest.approx(0.01)
+    assert (arm["tied_groups"]["mean"], arm["tied_groups"]["n"]) == (0.5, 1) and math.isnan(arm["tied_groups"]["se"])
+    assert arm["components"]["direction"]["mean"] == pytest.approx(0.2)
+    assert json.loads((tmp_path / "s.json").read_text())["arms"]["routed"]["tied_groups"]["se"] is None
+    with pytest.raises(SystemExit, match="LABEL=RUN_DIR"):
+        spread.main([str(run)])
