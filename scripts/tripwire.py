@@ -373,7 +373,13 @@ def record(name: str, rows: list[dict], reference: dict, reason: str, workdir: P
             return False
         old_rows, new_rows = shared_rows(old["rows"], rows)
         lower = [shared_rows(old["rows"], o)[1] for o in others.values()]  # tolerances measured without the old rows
+        # a key one side logs and the other does not (a metric added or dropped) is no change of what is computed
+        keys = [set(a) & set(b) for a, b in zip(old_rows, new_rows)]
+        added = sorted({k for a, b in zip(old_rows, new_rows) for k in set(b) ^ set(a)})
+        old_rows, new_rows = ([{k: r[k] for k in ks} for r, ks in zip(side, keys)] for side in (old_rows, new_rows))
         problems = compare(new_rows, old_rows, tolerances(new_rows, lower))
+        if added:
+            print(f"{name}: keys logged by one of the two only, not compared: {', '.join(added)}")
         if problems:
             print(f"{name}: not unchanged: the rows shared with the reference of {old['commit']} differ:\n  "
                   + "\n  ".join(problems[:40]))
