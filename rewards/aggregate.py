@@ -143,6 +143,22 @@ def hoyer_sparsity(scores: torch.Tensor) -> torch.Tensor:
     return torch.where(flat, torch.zeros_like(s), s.clamp(0.0, 1.0))
 
 
+def _matrix(rewards, names: list[str], who: str, missing_means: str) -> torch.Tensor:
+    """``rewards`` (``{name: [N]}`` or an ``[N, K]`` tensor in ``names`` order) as a float64 ``[N, K]`` matrix, each
+    column checked (:func:`_column`); an error names the aggregator ``who`` and what is missing."""
+    if isinstance(rewards, Mapping):
+        missing = sorted(set(names) - set(rewards))
+        if missing:
+            raise KeyError(f"{who}: components {missing} {missing_means}; scored: {sorted(rewards)}")
+        return torch.stack([_column(rewards[n], n) for n in names], dim=1)
+    r = torch.as_tensor(rewards).detach().to("cpu", torch.float64)
+    if r.ndim != 2 or r.shape[1] != len(names):
+        raise ValueError(f"{who}: rewards must be [N, K={len(names)}] (columns {names}), got {tuple(r.shape)}")
+    for k, n in enumerate(names):
+        _column(r[:, k], n)
+    return r
+
+
 class TaRoS:
     """TaRoS, Target-Robust Reward Signaling (arXiv 2511.19356 v4, Sec. 4, eqs. 3–9), as the paper defines it
     (``reward.aggregate.name=taros``).
@@ -259,17 +275,7 @@ class TaRoS:
     # ------------------------------------------------------------------------------------------------ math
 
     def _matrix(self, rewards) -> torch.Tensor:
-        if isinstance(rewards, Mapping):
-            missing = sorted(set(self.names) - set(rewards))
-            if missing:
-                raise KeyError(f"TaRoS: components {missing} were not scored; scored: {sorted(rewards)}")
-            return torch.stack([_column(rewards[n], n) for n in self.names], dim=1)
-        r = torch.as_tensor(rewards).detach().to("cpu", torch.float64)
-        if r.ndim != 2 or r.shape[1] != len(self.names):
-            raise ValueError(f"TaRoS: rewards must be [N, K={len(self.names)}] (columns {self.names}), got {tuple(r.shape)}")
-        for k, n in enumerate(self.names):
-            _column(r[:, k], n)
-        return r
+        return _matrix(rewards, self.names, "TaRoS", "were not scored")
 
     def _calibrate(self, means: torch.Tensor, update: bool) -> None:
         """Update the calibrated ``τ`` from this call's group means ``[P, K]`` while calibration lasts."""
@@ -466,17 +472,7 @@ class SaturationWeighted:
     # ------------------------------------------------------------------------------------------------ math
 
     def _matrix(self, rewards) -> torch.Tensor:
-        if isinstance(rewards, Mapping):
-            missing = sorted(set(self.names) - set(rewards))
-            if missing:
-                raise KeyError(f"SaturationWeighted: components {missing} have a weight but no scores; scored: {sorted(rewards)}")
-            return torch.stack([_column(rewards[n], n) for n in self.names], dim=1)
-        r = torch.as_tensor(rewards).detach().to("cpu", torch.float64)
-        if r.ndim != 2 or r.shape[1] != len(self.names):
-            raise ValueError(f"SaturationWeighted: rewards must be [N, K={len(self.names)}] (columns {self.names}), got {tuple(r.shape)}")
-        for k, n in enumerate(self.names):
-            _column(r[:, k], n)
-        return r
+        return _matrix(rewards, self.names, "SaturationWeighted", "have a weight but no scores")
 
     def __call__(self, rewards, group_size: int | None = None, *, update: bool = True) -> torch.Tensor:
         """Advantages float32 ``[N]`` of ``rewards`` (``[N, K]`` tensor in ``weights`` order, or ``{name: [N]}``).
