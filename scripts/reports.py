@@ -47,8 +47,8 @@ STUDIES = [Study(slug, title, what, members.split()) for slug, title, what, memb
      "component's weight, and on streaming long video", "taros_shortcut taros_shortcut_sweep taros_long_video"),
     ("video", "Video runs", "Runs on the embedded Wan video model; `saturation_weighted` (arm `taros`) against the sum",
      "video_runs_evals video_taros"),
-    ("streaming-runs", "Streaming video", "Streaming GRPO, streaming AWM and KVPO on the causal video model, mostly "
-     "paired held-out evaluations", "streaming_rl streaming_rl_paired streaming_rl_lr1e-4_paired stream_one_object "
+    ("streaming-runs", "Streaming video", "Streaming GRPO, streaming AWM and KVPO; streaming AWM on the test set",
+     "stream_awm_test streaming_rl streaming_rl_paired streaming_rl_lr1e-4_paired stream_one_object "
      "stream_awm_reference stream_awm_batch_paired stream_awm_lr1e-5_paired stream_awm_tuning stream_awm_drift"),
     ("kvpo", "KVPO", "KVPO's forks, exploration, EMA and objective ablation, on paired held-out videos",
      "kvpo_forks kvpo_forks_more kvpo_paired kvpo_preset_400 kvpo_48 kvpo_exploration"),
