@@ -77,7 +77,7 @@ def score(trainer, jobs, prompts, stream) -> dict[str, list[float]]:
 def evaluate_run(run: Path, args, base_cache: dict) -> dict:
     from omegaconf import OmegaConf
 
-    from flowgrpo.build import held_out_prompts
+    from flowgrpo.build import checked_prompts
     from flowgrpo.evaluation import EVAL_STREAM, TEST_STREAM, held_out_jobs
     from flowgrpo.trainer import Trainer
 
@@ -96,13 +96,14 @@ def evaluate_run(run: Path, args, base_cache: dict) -> dict:
         cfg.data[split_file] = str(args.prompts_file)
     with tempfile.TemporaryDirectory(prefix="paired-eval-") as scratch:
         trainer = Trainer(cfg, scratch)
-        prompts = held_out_prompts(cfg, trainer.reward, args.split)
+        # the trainer built (and checked) the validation set; the test set is read here, and only here
+        prompts = trainer.val_set if args.split == "val" else checked_prompts(cfg, trainer.reward, "test")
         if prompts is None:
             raise SystemExit(f"{run}: data.{split_file} is null: no {SPLITS[args.split]} prompts to evaluate on "
                              "(give --prompts-file)")
         stream = TEST_STREAM if args.split == "test" else EVAL_STREAM
         jobs = held_out_jobs(prompts, args.samples, None, num_prompts=args.prompts or cfg.trainer.eval_num_prompts)
-        key = f"{trainer.held_out_key(jobs, stream)}:{prompts.source}"
+        key = trainer.held_out_key(jobs, stream)  # the data config in it names the split's file
         t0 = time.perf_counter()
         if key not in base_cache:
             base_cache[key] = score(trainer, jobs, prompts, stream)

@@ -27,7 +27,7 @@ from .batch import BatchPlan, batch_plan
 from .logger import RunLogger, build_logger
 from .model import build_adapter, model_kwargs
 from .checks import (MIN_FREE_BYTES, Preflight, check_config, check_output_dir, check_prompt_metadata,
-                        check_reward_model, check_sizes, check_stream_prompts, checkpoint_bytes, held_out_prompts,
+                        check_reward_model, check_sizes, check_stream_prompts, checkpoint_bytes, checked_prompts,
                         preflight, reward_modality, size_multiples)
 from .prompts import PromptSet, build_prompts, prompt_pools, tag_rows
 from .reward import build_aggregator, build_reward
@@ -56,7 +56,7 @@ __all__ = [
     "check_output_dir",
     "Preflight",
     "preflight",
-    "held_out_prompts",
+    "checked_prompts",
     "MIN_FREE_BYTES",
     "check_config",
     "check_sizes",

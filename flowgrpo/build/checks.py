@@ -22,7 +22,7 @@ from .reward import build_reward
 
 __all__ = ["reward_modality", "check_reward_model", "check_prompt_metadata", "MIN_FREE_BYTES", "checkpoint_bytes",
            "check_output_dir", "Preflight", "check_config", "preflight", "size_multiples", "check_sizes",
-           "check_stream_prompts", "held_out_prompts"]
+           "check_stream_prompts", "checked_prompts"]
 
 
 def _model_modality(model: DictConfig) -> str:
@@ -144,7 +144,7 @@ def check_output_dir(path: str | os.PathLike, need_bytes: int = MIN_FREE_BYTES) 
 @dataclass
 class Preflight:
     """What :func:`preflight` built on the way: the reward and the prompt sets, checked against each other (the test
-    set is not among them: only the reporting command reads it, through :func:`held_out_prompts`)."""
+    set is not among them: only the reporting command reads it, through :func:`checked_prompts`)."""
 
     reward: Any
     train_set: PromptSet
@@ -168,11 +168,11 @@ def preflight(cfg: DictConfig, output_dir: str | os.PathLike) -> Preflight:
     check_sizes(cfg.model)
     check_output_dir(output_dir)
     reward = build_reward(cfg.reward)
-    train_set = held_out_prompts(cfg, reward, "train")
-    return Preflight(reward, train_set, held_out_prompts(cfg, reward, "val"))
+    train_set = checked_prompts(cfg, reward, "train")
+    return Preflight(reward, train_set, checked_prompts(cfg, reward, "val"))
 
 
-def held_out_prompts(cfg: DictConfig, reward, split: str) -> PromptSet | None:
+def checked_prompts(cfg: DictConfig, reward, split: str) -> PromptSet | None:
     """The ``split`` prompt set of ``cfg.data`` (``train``, ``val`` or ``test``), its metadata checked against
     ``reward``'s schema and, for a streaming model, its streams against the model; None for a null held-out file."""
     prompts = build_prompts(cfg.data, split)
