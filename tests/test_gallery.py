@@ -289,11 +289,11 @@ def test_group_size_shows_every_group(tmp_path):
 
 
 def test_an_offline_wandb_run_copied_elsewhere_holds_every_media_file(tmp_path, monkeypatch):
-    """logger=wandb offline, W&B's own directories (its staging area) outside the run dir: after the run dir is
-    copied elsewhere and the original and W&B's directories are deleted, the copy still holds every file the run's
-    record references (the tables' media, staged for upload), our videos and images byte for byte, the table files
-    and the media panels; every media file a table references, in the run's files (by a path relative to them) and
-    in the table's artifact, is in the copy."""
+    """logger=wandb offline, W&B's own directories (its staging area) outside the run dir: nothing is staged there and
+    the run's record names no file outside the run's files (an offline run's tables are files of the run, not
+    artifacts, whose files W&B would stage elsewhere and name by absolute path); after the run dir is copied elsewhere
+    and the original and W&B's directories are deleted, the copy holds every media file the record and the tables
+    reference, by a path relative to the run's files: our videos and images byte for byte, the tables and panels."""
     import re
     import shutil
 
@@ -310,9 +310,9 @@ def test_an_offline_wandb_run_copied_elsewhere_holds_every_media_file(tmp_path, 
     ours = gallery.log(1, prompts, images, rewards=rewards, components=components, advantages=advantages)["media"]
     prompts, videos, rewards, _, _ = _batch(b=3, t=6, h=16, w=16, seed=3)
     ours += gallery.log(2, prompts, videos, rewards=rewards, tag="eval", fps=4)["media"]
+    logger.log({"reward/mean": 0.6}, step=3)
     logger.finish()
-    assert os.environ["WANDB_DATA_DIR"] == str(home)  # the staging directory was moved for the tables only
-    assert not list(home.rglob("staging/*"))  # nothing was staged outside the run dir
+    assert not list(home.rglob("staging")) and not list(run_dir.rglob("staging"))  # nothing staged for upload
 
     ours = {hashlib.sha256(p.read_bytes()).hexdigest() for p in ours}
     copy = tmp_path / "elsewhere" / "run"
@@ -321,15 +321,16 @@ def test_an_offline_wandb_run_copied_elsewhere_holds_every_media_file(tmp_path, 
     shutil.rmtree(home)
     (sync_dir,) = copy.glob("wandb/offline-run-*")
     record = next(sync_dir.glob("run-*.wandb")).read_bytes()
-    staged = set(re.findall(rb"/artifacts/staging/(tmp[a-z0-9_]{8})", record))  # tempfile's names
-    assert len(staged) >= len(ours) + 2  # every sample's file and the two tables
-    original = run_dir / "wandb" / sync_dir.name
-    for name in staged:
-        assert len(list(sync_dir.glob(f"data/artifacts/staging/{name.decode()}"))) == 1, name
-        # the record names it at its place in the run dir (absolute, as W&B records artifact files): the same place
-        # in the copy
-        assert f"{original}/data/artifacts/staging/{name.decode()}".encode() in record, name
-    assert str(home).encode() + b"/artifacts" not in record
+    assert b"run_table" not in record and b"artifacts" not in record  # no artifact to upload
+    # the only absolute path in the record is the run's root directory, no file under it or elsewhere
+    assert set(re.findall(re.escape(str(tmp_path).encode()) + rb"[\x21-\x7e]*", record)) <= {
+        str(run_dir).encode() + b"b", str(run_dir).encode()}  # (protobuf's next field tag may follow the text)
+    # the history names the panels' and the tables' files by their paths in the run's files: all in the copy
+    files_dir = sync_dir / "files"
+    named = set(re.findall(rb'media/(?:images|videos|table)/[\w/.-]+?\.(?:png|mp4|gif|table\.json)', record))
+    assert len(named) == 4 + 3 + 2
+    for path in named:
+        assert (files_dir / path.decode()).is_file(), path
 
     def digest(path: Path) -> str:
         return hashlib.sha256(path.read_bytes()).hexdigest()
@@ -337,8 +338,7 @@ def test_an_offline_wandb_run_copied_elsewhere_holds_every_media_file(tmp_path, 
     def media_cells(table: dict) -> list[dict]:
         return [v for row in table["data"] for v in row if isinstance(v, dict) and "path" in v]
 
-    # the tables' files in the run's files: every media cell a path relative to them, of a file there (our bytes)
-    files_dir = sync_dir / "files"
+    # the tables' files: every media cell a path relative to the run's files, of a file there (our bytes)
     run_tables = sorted(files_dir.glob("media/table/**/*.table.json"))
     assert len(run_tables) == 2
     for path in run_tables:
@@ -351,19 +351,6 @@ def test_an_offline_wandb_run_copied_elsewhere_holds_every_media_file(tmp_path, 
             assert cell["_type"] in ("image-file", "video-file") and not Path(cell["path"]).is_absolute()
             assert ".." not in Path(cell["path"]).parts and (files_dir / cell["path"]).is_file(), cell
             assert digest(files_dir / cell["path"]) == cell["sha256"] and cell["sha256"] in ours
-    # the tables' artifacts: each table (staged in the run dir) references media staged in the copy, by content
-    staging = {digest(p): p for p in sync_dir.glob("data/artifacts/staging/*")}
-    artifact_tables = []
-    for path in staging.values():
-        try:
-            table = json.loads(path.read_text())
-        except (UnicodeDecodeError, ValueError):
-            continue  # a staged image or video
-        if isinstance(table, dict) and table.get("_type") == "table":
-            artifact_tables.append(table)
-            cells = media_cells(table)
-            assert len(cells) == len(table["data"]) > 0 and all(c["sha256"] in staging for c in cells)
-    assert {len(t["data"]) for t in artifact_tables} == {3, 4}  # the eval table's 3 videos, the training's 4 images
 
     files = [p for p in copy.rglob("*") if p.is_file() and "gallery" not in p.relative_to(copy).parts]
     digests = {hashlib.sha256(p.read_bytes()).hexdigest() for p in files}

@@ -13,16 +13,14 @@ each the way its viewer shows them:
 - ``wandb``: the resolved config; per gallery a ``wandb.Table`` under ``{tag}/gallery`` (step, prompt, image or video,
   every reward component, reward, advantage) and a media panel under ``{tag}/samples`` (a list of ``wandb.Image`` /
   ``wandb.Video`` with the prompt and the scores as captions, the panel the step slider scrolls). The run's files
-  live under ``<run dir>/wandb/``. W&B keeps a table twice: as a file of the run
-  (``files/media/table/{tag}/gallery_*.table.json``) and as an artifact of the run (``run-<id>-{tag}gallery``) whose
-  files it stages for upload outside the run's files (in its data directory, ``~/.local/share/wandb`` by default).
-  Here the table's file references each sample by its path in the run's files (``media/images/...`` /
+  live under ``<run dir>/wandb/``. Online, W&B keeps a table twice: as a file of the run
+  (``files/media/table/{tag}/gallery_*.table.json``) and as an artifact of the run (``run-<id>-{tag}gallery``). Here
+  the table's file references each sample by its path in the run's files (``media/images/...`` /
   ``media/videos/...``, the files of the media panel; W&B itself writes only the media's class name there), so the
-  run directory can be copied elsewhere and its tables still find their media; and the artifact's files are staged
-  into ``<run dir>/wandb/<run>/data/`` instead, so an offline run holds every file it references and ``wandb sync``
-  finds them after the home directory is cleaned. (The run's record names those staged files by absolute path, as W&B
-  records every artifact file: synced from a copy, the artifact's upload needs them at the original place; the run,
-  its panels and its tables' files sync from anywhere.)
+  table stands on the run's files alone. Offline, the table is logged as that file only: W&B stages an artifact's
+  files outside the run directory and its record names them by absolute path, so a run copied elsewhere before
+  ``wandb sync`` could not upload them. An offline run directory holds every file its record references, wherever
+  it is copied.
 - ``tensorboard``: event files under ``<run dir>/tensorboard/``; the config as text; per gallery the labelled grid
   (prompt and scores drawn above each sample) as the image ``{tag}/gallery``, the captions as a text table
   ``{tag}/captions`` and, for videos, each clip as an animated GIF image ``{tag}/video/NN`` (TensorBoard's image
@@ -44,7 +42,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,8 +113,16 @@ class RunLogger:
         table = _run_file_table(wandb)(columns=list(page.columns))
         for row, sample in zip(page.rows, samples):
             table.add_data(*row[:at], sample, *row[at + 1:])
-        with _staged_in(self.run):
-            self.run.log({f"{page.tag}/samples": samples, f"{page.tag}/gallery": table}, step=int(page.step))
+        panel, gallery, step = f"{page.tag}/samples", f"{page.tag}/gallery", int(page.step)
+        if not self.run.settings._offline:
+            self.run.log({panel: samples, gallery: table}, step=step)
+            return
+        # offline: the table is a file of the run only. Bound here (as W&B binds a value it logs), W&B does not also
+        # log it as an artifact, whose files it would stage outside the run directory and name by absolute path in
+        # the run's record: a run copied elsewhere before `wandb sync` could not upload them.
+        self.run.log({panel: samples}, step=step, commit=False)
+        table.bind_to_run(self.run, gallery, step)
+        self.run.log({gallery: table}, step=step)
 
     def _gallery_tensorboard(self, page) -> None:
         import numpy as np
@@ -208,26 +213,6 @@ def _run_file_table(wandb):
             return table
 
     return RunFileTable
-
-
-@contextmanager
-def _staged_in(run):
-    """W&B stages a table's media for upload in ``$WANDB_DATA_DIR/artifacts/staging`` (``~/.local/share/wandb`` by
-    default), outside the run's directory, and an offline run's record points there: while a table is logged, stage
-    into ``<the run's directory>/data`` instead, so the run directory holds every file its record references."""
-    sync_dir = getattr(getattr(run, "settings", None), "sync_dir", None)
-    if not sync_dir:
-        yield
-        return
-    saved = os.environ.get("WANDB_DATA_DIR")
-    os.environ["WANDB_DATA_DIR"] = str(Path(sync_dir) / "data")
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("WANDB_DATA_DIR", None)
-        else:
-            os.environ["WANDB_DATA_DIR"] = saved
 
 
 def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
