@@ -109,7 +109,10 @@ recovered; NaN without a switch), ``max_jump_px`` (largest step, px/frame) and `
 norm over the objects). A stream whose metadata names a ``window`` ``[start, end)`` (frames) also gets
 ``window/direction``, ``window/speed`` and ``window/adherence``: those rules on the window's frames alone, in the
 segment of its last frame, without a grace (a part of a stream: KVPO's routed frames); streams of the batch without
-one get NaN there, and a batch where none names one has no such component.
+one get NaN there, and a batch where none names one has no such component. Likewise a stream with *resumed*
+segments (``"resume": true``: a segment after a pause whose prompt says only "moving again" and whose ``include``
+asks the motion shown before the pause, as :func:`validate_stream_metadata` checks) gets ``resume/direction``,
+``resume/speed`` and ``resume/adherence``: the segment rules' mean over its resumed segments.
 
 ``scores`` is the weighted mean of the eight scored components (``weights``, all 1 by default: prompt adherence
 counts three times -- ``adherence``, ``direction``, ``speed`` -- temporal consistency three times, switching and
@@ -165,6 +168,7 @@ __all__ = [
     "NAMES",
     "SEGMENT_COMPONENTS",
     "WINDOW_NAMES",
+    "RESUME_NAMES",
     "STREAM_SEGMENT_TAGS",
     "STREAM_TAGS",
     "LongVideoReward",
@@ -191,6 +195,8 @@ NAMES: tuple[str, ...] = (*COMPONENTS, "consistency", "segments_strict",
                           *(f"segment{k}/{n}" for k in range(SEGMENT_COMPONENTS) for n in PER_SEGMENT), *MEASUREMENTS)
 #: the components of a stream's window (its metadata's ``window``), after :data:`NAMES` when some stream names one
 WINDOW_NAMES: tuple[str, ...] = ("window/adherence", "window/direction", "window/speed")
+#: the components of a stream's resumed segments (``"resume": true``), after those when some stream has one
+RESUME_NAMES: tuple[str, ...] = ("resume/adherence", "resume/direction", "resume/speed")
 
 
 # ------------------------------------------------------------------------------------------------- metadata
@@ -280,6 +286,17 @@ def validate_stream_metadata(metadata: object, classes: Sequence[str] | None = N
             j = next((j for j, (a, b) in enumerate(zip(mine, objects)) if a != b), min(len(mine), len(objects)))
             raise ValueError(f"{here}.include[{j}]: a stream keeps its objects (class, colour, order) in every "
                              f"segment: {mine} after {objects} in {where}.segments[0]")
+        resume = segment.get("resume", False)
+        if not isinstance(resume, bool):
+            raise ValueError(f"{here}.resume: expected true or false, got {resume!r}")
+        if resume:
+            moved = [s for s in segments[:k] if any(m != "still" for m, _ in segment_asks(s))]
+            if k < 2 or any(m != "still" for m, _ in segment_asks(segments[k - 1])) or not moved:
+                raise ValueError(f"{here}.resume: a resumed segment follows a segment standing still, after one "
+                                 "that moved")
+            if segment_asks(segment) != segment_asks(moved[-1]):
+                raise ValueError(f"{here}.resume: a resumed segment asks the motion shown before the pause "
+                                 f"({segment_asks(moved[-1])}), got {segment_asks(segment)}")
         if require_switches and k > 0 and not asks_differ(segment_asks(segments[k - 1]), segment_asks(segment)):
             raise ValueError(f"{here}: asks the same motion as {where}.segments[{k - 1}] "
                              f"({segment_asks(segment)}); consecutive segments must ask different motions")
@@ -648,6 +665,8 @@ class LongVideoReward:
                   for k in range(SEGMENT_COMPONENTS) for n in PER_SEGMENT}
         if metadata.get("window") is not None:
             comps |= {name: 0.0 for name in WINDOW_NAMES}
+        if any(seg.get("resume") for seg in metadata["segments"]):
+            comps |= {name: 0.0 for name in RESUME_NAMES}
         return StreamVerdict(comps, reason=f"degenerate stream ({why} frames): no content, scored 0")
 
     def track(self, detections: Sequence[Mapping[str, Sequence[Detection]]], frames: np.ndarray,
@@ -777,6 +796,10 @@ class LongVideoReward:
                 if said:
                     reasons.append(f"segment {k} ({segments[k]['prompt']!r}): {said}")
         comps["adherence"] = float(np.mean(adherence))
+        resumed = [k for k, seg in enumerate(segments) if seg.get("resume")]
+        if resumed:  # the segments told only to move "again": the motion shown before their pause
+            for name, values in (("adherence", adherence), ("direction", direction), ("speed", speed)):
+                comps[f"resume/{name}"] = float(np.mean([values[k] for k in resumed]))
         comps["segments_strict"] = float(np.mean(strict))
         if metadata.get("window") is not None:
             comps |= self._judge_window(metadata, bounds, asks, detections, tracks, velocity, (H, W))
@@ -911,6 +934,7 @@ class LongVideoReward:
         if prompts is not None and len(prompts) != len(verdicts):
             raise ValueError(f"got {len(verdicts)} videos but {len(prompts)} prompts")
         names = NAMES + (WINDOW_NAMES if any("window/direction" in v.components for v in verdicts) else ())
+        names += RESUME_NAMES if any("resume/direction" in v.components for v in verdicts) else ()
         components = {name: torch.tensor([v.components.get(name, math.nan) for v in verdicts], dtype=torch.float32)
                       for name in names}
         scores = torch.tensor([self.combine(v.components) for v in verdicts], dtype=torch.float32)

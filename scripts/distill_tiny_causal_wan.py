@@ -63,6 +63,7 @@ from flowgrpo.models import CausalWan, StreamConfig, StreamingWanPipeline  # noq
 from flowgrpo.models.causal_wan import teacher_forcing_mask  # noqa: E402
 from flowgrpo.models.stream_adapter import StreamAdapter  # noqa: E402
 from flowgrpo.models.stream_pipeline import STREAM_CONFIG_NAME  # noqa: E402
+from flowgrpo.world.resume import resume_held_out_sequences, sample_resume_metadata  # noqa: E402
 from flowgrpo.world.streams import STREAM_NUM_FRAMES, held_out_sequences, latent_segments, sample_stream_metadata, \
     sequence_key  # noqa: E402
 from samplers import chunked_rollout, stream_sde_mask, stream_sigmas  # noqa: E402
@@ -149,11 +150,13 @@ def reference_chain(adapter: StreamAdapter, metas: list[dict], noise: torch.Tens
                            step_noise=renoise, keep_cond=False).final
 
 
-def training_metas(rng: np.random.Generator, n: int, num_frames: int) -> list[dict]:
-    """``n`` fresh stream captions, every held-out prompt sequence left out."""
-    held_out, metas = held_out_sequences(), []
+def training_metas(rng: np.random.Generator, n: int, num_frames: int, resume_share: float = 0.0) -> list[dict]:
+    """``n`` fresh stream captions, every held-out prompt sequence left out; ``resume_share`` of them resume
+    streams (:mod:`flowgrpo.world.resume`)."""
+    held_out, metas = held_out_sequences() | resume_held_out_sequences(), []
     while len(metas) < n:
-        meta = sample_stream_metadata(rng, num_frames)
+        resume = bool(resume_share) and float(rng.random()) < resume_share  # no draw at 0: the asset's stream
+        meta = sample_resume_metadata(rng, num_frames) if resume else sample_stream_metadata(rng, num_frames)
         if sequence_key(meta) not in held_out:
             metas.append(meta)
     return metas
@@ -189,7 +192,7 @@ class TeacherData:
         seed = int(np.random.SeedSequence([args.seed, i]).generate_state(1)[0])
         rng = np.random.default_rng(seed)
         gen = torch.Generator().manual_seed(seed)
-        metas = training_metas(rng, count, args.num_frames)
+        metas = training_metas(rng, count, args.num_frames, args.resume_streams)
         S = args.student_steps
         noise = torch.randn((count, self.blocks, *self.block_shape), generator=gen)
         renoise = torch.randn((count, self.blocks, max(S - 1, 0), *self.block_shape), generator=gen)
@@ -390,6 +393,8 @@ def parse_args(argv=None):
     p.add_argument("--teacher-guidance", type=float, default=4.5, help="the teacher's classifier-free guidance")
     p.add_argument("--shift", type=float, default=3.0, help="shift of both noise-level lists")
     p.add_argument("--streams", type=int, default=512, help="teacher streams")
+    p.add_argument("--resume-streams", type=float, default=0.0,
+                   help="share of resume streams among them (flowgrpo.world.resume)")
     p.add_argument("--shard", type=int, default=32, help="teacher streams per shard (and per teacher batch)")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch", type=int, default=8)

@@ -19,6 +19,10 @@ streams_one_object_val.jsonl holds 100 more held-out one-object streams (flowgrp
 none of whose prompt sequences is in either file: the validation set of data=one_object_streams. The test sets,
 streams_test.jsonl (seed 2, any objects) and streams_one_object_test.jsonl (seed 3, one object), hold 100 streams
 each whose prompt sequences are in no file written before them.
+
+The resume streams (one object moves, turns, pauses, and is told only to move "again":
+flowgrpo.world.split_resume_prompts) are 500 distinct prompt sequences, 300 train, 100 validation and 100 test, in
+resume_{train,val,test}.jsonl.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from pathlib import Path
 
 from flowgrpo import jsonio
 from flowgrpo.world import (MOTION_TAGS, TAGS, more_held_out_streams, one_object_held_out, split_motion_prompts,
-                            split_prompts, split_stream_prompts)
+                            split_prompts, split_resume_prompts, split_stream_prompts)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,6 +68,9 @@ def main() -> int:
               for name, rows in (("train", train), ("val", test), ("one_object_val", one_object), ("test", final),
                                  ("one_object_test", one_object_final))}
     print("streams", jsonio.dumps({s: dict(sorted(c.items())) | {"total": sum(c.values())} for s, c in counts.items()}))
+    resume = split_resume_prompts(seed=args.seed)
+    files |= {f"resume_{part}.jsonl": _lines(rows) for part, rows in zip(("train", "val", "test"), resume)}
+    print("resume", jsonio.dumps({part: len(rows) for part, rows in zip(("train", "val", "test"), resume)}))
     if args.check:
         stale = [n for n, text in files.items() if not (args.out_dir / n).exists() or (args.out_dir / n).read_text() != text]
         if stale:

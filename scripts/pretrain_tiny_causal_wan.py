@@ -55,6 +55,7 @@ from flowgrpo import jsonio  # noqa: E402
 from flowgrpo.models import CausalWan, StreamConfig  # noqa: E402
 from flowgrpo.models.causal_wan import teacher_forcing_mask  # noqa: E402
 from flowgrpo.models.stream_pipeline import STREAM_CONFIG_NAME  # noqa: E402
+from flowgrpo.world.resume import corrupt_resume_stream, resume_held_out_sequences, sample_resume_metadata  # noqa: E402
 from flowgrpo.world.streams import (  # noqa: E402
     STREAM_NUM_FRAMES,
     corrupt_stream,
@@ -82,19 +83,22 @@ def load_init(init: str) -> WanPipeline:
     return WanPipeline.from_pretrained(init)
 
 
-def render_streams(rng: np.random.Generator, n: int, exclude: set, num_frames: int, opposite: float, still: float):
+def render_streams(rng: np.random.Generator, n: int, exclude: set, num_frames: int, opposite: float, still: float,
+                   resume_share: float = 0.0):
     """``n`` fresh streams in [-1, 1] ``[n, 3, T, 64, 64]`` and their (caption) metadata; a corrupted stream shows
     the caption flaw (redrawn when its path no longer fits the frame; a stream the renderer cannot lay out is
-    replaced by another)."""
+    replaced by another). With ``resume_share`` > 0 that share of the streams are resume streams
+    (:mod:`flowgrpo.world.resume`)."""
     clips, metas = [], []
     while len(metas) < n:
-        meta = sample_stream_metadata(rng, num_frames)
+        resume = bool(resume_share) and float(rng.random()) < resume_share  # no draw at 0: the asset's stream
+        meta = sample_resume_metadata(rng, num_frames) if resume else sample_stream_metadata(rng, num_frames)
         if sequence_key(meta) in exclude:
             continue
         shown = meta
         if opposite or still:
             for _ in range(20):
-                candidate = corrupt_stream(meta, rng, opposite, still)
+                candidate = (corrupt_resume_stream if resume else corrupt_stream)(meta, rng, opposite, still)
                 if stream_fits(candidate):
                     shown = candidate
                     break
@@ -124,7 +128,7 @@ class Trainer:
         self.log: list[dict] = []
         self.data_rng = np.random.default_rng(args.seed)
         self.bank: tuple[torch.Tensor, list[dict]] | None = None
-        self.exclude = held_out_sequences()  # the world's held-out split, computed once per process
+        self.exclude = held_out_sequences() | resume_held_out_sequences()  # the held-out splits, once per process
         self.text_cache: dict[str, torch.Tensor] = {}
         frames = (args.num_frames - 1) // self.pipe.vae_scale_factor_temporal + 1
         self.latent_frames = frames
@@ -175,7 +179,8 @@ class Trainer:
 
     def fresh(self, n: int) -> tuple[torch.Tensor, list[dict]]:
         args = self.args
-        x, metas = render_streams(self.data_rng, n, self.exclude, args.num_frames, args.opposite_prob, args.still_prob)
+        x, metas = render_streams(self.data_rng, n, self.exclude, args.num_frames, args.opposite_prob, args.still_prob,
+                                  args.resume_streams)
         return torch.cat([self.encode_video(x[i:i + 8]) for i in range(0, n, 8)]), metas
 
     def batch(self) -> tuple[torch.Tensor, list[dict]]:
@@ -283,6 +288,8 @@ def parse_args(argv=None):
     p.add_argument("--bank-refresh", type=int, default=4)
     p.add_argument("--opposite-prob", type=float, default=0.25)
     p.add_argument("--still-prob", type=float, default=0.15)
+    p.add_argument("--resume-streams", type=float, default=0.0,
+                   help="share of resume streams (flowgrpo.world.resume: told only to move 'again' after a pause)")
     p.add_argument("--cfg-dropout", type=float, default=0.1)
     p.add_argument("--ema", type=float, default=0.999)
     p.add_argument("--seed", type=int, default=0)

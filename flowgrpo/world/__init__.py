@@ -92,3 +92,8 @@ from . import streams as _streams
 from .streams import *  # noqa: E402,F401,F403  (the streams API, listed in streams.__all__)
 
 __all__ += _streams.__all__
+
+from . import resume as _resume  # noqa: E402
+from .resume import *  # noqa: E402,F401,F403  (resume streams, listed in resume.__all__)
+
+__all__ += _resume.__all__
