@@ -215,6 +215,23 @@ def test_after_switch_forks_only_where_the_window_still_shows_the_old_segment():
         plan_routing(13, 1, 1, 4, fork="late")
 
 
+def test_at_switch_forks_only_at_a_segment_start():
+    """``fork="at_switch"``: the first block under a new prompt, nothing else (a switch whose routed blocks would
+    cross the next one, or whose window is not yet full, is not eligible). On a resume stream of 13 latent frames
+    (segments at 0, 4, 7, 9) with three routed blocks, routing inside the window, the resumed segment's first block
+    is the only fork."""
+    at = plan_routing(13, 1, 1, 4, routed_blocks=2, nearest_m=1, segment_starts=[8], fork="at_switch")
+    assert at.eligible_forks == [8] and at.fork_frame == 8
+    resume = dict(routed_blocks=3, nearest_m=1, segment_starts=[4, 7, 9], outside_window=False, fork="at_switch")
+    plans = [plan_routing(13, 1, 1, 4, num_branches=4, iteration=i, **resume) for i in range(10)]
+    assert {p.fork_frame for p in plans} == {9} and plans[0].eligible_forks == [9]
+    assert (plans[0].pool_start, plans[0].pool_end) == (1, 8)  # every frame before the nearest one, window included
+    assert set(plan_routing(60, 3, 3, 9, routed_blocks=1, segment_starts=[21, 39],
+                            fork="at_switch").eligible_forks) == {21, 39}
+    with pytest.raises(ValueError, match="fork=at_switch"):
+        plan_routing(13, 1, 1, 4, routed_blocks=2, segment_starts=[3], fork="at_switch")
+
+
 @pytest.mark.parametrize("pool_g_n", [(14, 8, 5), (12, 8, 5), (10, 8, 5), (20, 4, 5), (15, 4, 5), (6, 4, 4),
                                       (11, 8, 4), (40, 8, 5)])
 def test_branch_overlap_is_bounded_as_documented(pool_g_n):

@@ -42,8 +42,8 @@ class BranchingConfig(AlgoConfig):
     selections streams fewer branches (:meth:`KVPO.group_branches`; counted by the loss info's ``branches_short``)."""
 
     routed_blocks: int = knob(2, ge=1)  # P consecutive routed blocks from the fork (fewer where a stream has no room)
-    # anywhere: uniform over the eligible forks (official); after_switch: only the first blocks after a prompt switch,
-    # whose unrouted window still shows the motion before it
+    # anywhere: any eligible fork (official); after_switch: the first blocks after a prompt switch, whose unrouted
+    # window still shows the motion before it; at_switch: a segment's first block
     fork: str = knob("anywhere", choices=FORKS)
     nearest_m: int = knob(1, ge=0)  # frames just before a routed block it keeps attending (official m minus the block)
     outside_window: bool = True  # draw older frames only from outside the fork block's unrouted window

@@ -80,7 +80,7 @@ __all__ = ["FORKS", "Route", "RoutingPlan", "plan_routing", "route_fn", "batched
            "unrouted_positions"]
 
 #: where a stream may fork (:func:`plan_routing`'s ``fork``)
-FORKS = ("anywhere", "after_switch")
+FORKS = ("anywhere", "after_switch", "at_switch")
 
 #: ``route(frame_offset, num_frames, cached_positions) -> positions`` (``CausalWan.routed``'s hook).
 Route = Callable[[int, int, list], "list[int] | torch.Tensor"]
@@ -217,7 +217,8 @@ def plan_routing(
         fork: which eligible forks the fork is drawn from: ``"anywhere"`` (every one) or ``"after_switch"``
             (those at a segment start ``s`` or just after it, ``s <= fork < s + window_frames - block_frames``:
             the fork block's unrouted window still holds frames made before the switch, so its context shows the
-            old motion while its prompt asks the new one).
+            old motion while its prompt asks the new one), or ``"at_switch"`` (those at a segment start: the
+            first block under a new prompt, where a stream takes it up from what its context shows).
 
     Returns:
         the :class:`RoutingPlan`: ``min(G, C(L, n))`` pairwise distinct selections (``L``: the pool's size).
@@ -256,6 +257,8 @@ def plan_routing(
             continue
         if fork == "after_switch" and not any(s <= f < s + max(after, 1) for s in starts if s > 0):
             continue
+        if fork == "at_switch" and f not in starts[starts[0] == 0:]:
+            continue
         lo = sink_frames
         if cache_frames is not None:
             lo = max(lo, f + span - block_frames - (cache_frames - sink_frames))
@@ -273,6 +276,7 @@ def plan_routing(
             + (f", fork <= {latest}" if max_fork_frame is not None else "")
             + (f", within {max(after, 1)} frames after a segment start of {starts} (fork=after_switch)"
                if fork == "after_switch" else "")
+            + (f", at a segment start of {starts} (fork=at_switch)" if fork == "at_switch" else "")
             + f", and a pool of more than n = {n} older frames, so that branches can differ "
             f"(window_frames={window_frames}, nearest_m={nearest_m}, "
             f"cache_frames={cache_frames}, outside_window={outside_window}, recache={recache})")
