@@ -33,7 +33,8 @@ moves the other way or not at all) is inherited: room for RL.
 forward per stream over ``[clean blocks; noisy blocks]`` whose context is the teacher's clean blocks, each block at
 its own level (levels stratified over the blocks of a stream: every level equally often), every frame reading its
 segment's prompt. No prompt dropout: the student never uses an unconditional branch. It starts from the teacher's
-weights; EMA of the weights ships.
+weights (``--init-student DIR``: from an earlier student's, to teach it more streams, e.g. ``--resume-streams``); EMA
+of the weights ships.
 
 Resume: teacher streams are written in shards (``<ckpt-dir>/teacher/shard-NNNN.pt``, each seeded by ``(--seed,
 shard)``, written atomically), so a restart regenerates only missing shards and the data do not depend on restarts;
@@ -235,6 +236,12 @@ class Student(StreamPretrainer):
         self.config = teacher.config
         c = self.config
         self.transformer = self.pipe.transformer
+        if args.init_student:  # a student trained before (the same transformer), instead of the teacher's weights
+            if not Path(args.init_student, STREAM_CONFIG_NAME).is_file():
+                raise SystemExit(f"--init-student {args.init_student}: not a streaming model directory (no "
+                                 f"{STREAM_CONFIG_NAME})")
+            start = StreamingWanPipeline.from_pretrained(args.init_student).pipe.transformer.state_dict()
+            self.transformer.load_state_dict({k: v.to(self.device) for k, v in start.items()})
         self.wan = CausalWan(self.transformer, block_frames=c.block_frames, sink_frames=c.sink_frames,
                              window_frames=c.window_frames)
         self.params = list(self.transformer.parameters())
@@ -412,6 +419,8 @@ def parse_args(argv=None):
     p.add_argument("--teacher-only", action="store_true", help="make the teacher shards and stop")
     p.add_argument("--probe", type=int, default=0, help="compare samplers on N captions and exit")
     p.add_argument("--student", default=None, help="with --probe: a student directory to score beside the teacher")
+    p.add_argument("--init-student", default=None,
+                   help="start the student from this streaming model (an earlier student) instead of the teacher")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=2)

@@ -125,3 +125,21 @@ def test_the_shipped_guidance_free_asset_loads_offline_and_streams():
     video = pipe(["a red circle moving left", "a red circle standing still"], switch_frames=[9], num_frames=17,
                  generator=torch.Generator().manual_seed(0)).videos
     assert video.shape == (1, 17, 3, 64, 64) and 0 <= float(video.min()) <= float(video.max()) <= 1
+
+
+def test_the_student_can_start_from_an_earlier_student(tmp_path):
+    """``--init-student DIR``: the student's first weights are that model's transformer, not the teacher's; a
+    directory that is not a streaming model stops before any training."""
+    dt.main(_args(tmp_path / "a", "--export-every", "3"))
+    args = dt.parse_args(_args(tmp_path / "b", "--init-student", str(tmp_path / "a" / "pipe")))
+    teacher = dt.load_teacher("toy")
+    data = dt.TeacherData(args, teacher)
+    data.ensure()
+    again = dt.Student(args, teacher, data)
+    exported = StreamingWanPipeline.from_pretrained(tmp_path / "a" / "pipe").pipe.transformer.state_dict()
+    assert all(torch.equal(again.transformer.state_dict()[k], v) for k, v in exported.items())
+    toy = dt.load_teacher("toy").pipe.transformer.state_dict()
+    assert not all(torch.equal(toy[k], v) for k, v in exported.items())  # the teacher's weights were replaced
+    bad = dt.parse_args(_args(tmp_path / "c", "--init-student", str(tmp_path)))
+    with pytest.raises(SystemExit, match="--init-student"):
+        dt.Student(bad, dt.load_teacher("toy"), data)
