@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from flowgrpo.build import build_logger
+from flowgrpo.builders import build_logger
 from flowgrpo.gallery import Gallery, read_gallery, to_uint8
 
 # the grid layout documented in flowgrpo.gallery
@@ -288,6 +288,28 @@ def test_group_size_shows_every_group(tmp_path):
         Gallery(tmp_path).log(0, prompts, media, rewards=rewards, group_size=5)
 
 
+def _record_payloads(path: Path) -> bytes:
+    """The records of a W&B run file joined, without the log format's framing: a 7-byte file header, then 32 KiB
+    blocks of chunks (4-byte checksum, 2-byte little-endian length, 1-byte type, the payload), a block's tail under 7
+    bytes zero-padded. A record that crosses a block is split into chunks: joined again here, so a path in it reads
+    whole."""
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B", data[:7]
+    out, pos = [], 7
+    while pos + 7 <= len(data):
+        room = block - pos % block
+        if room < 7:
+            pos += room
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if kind == 0:  # zero padding up to the block's end (a preallocated tail)
+            pos += room
+            continue
+        out.append(data[pos + 7:pos + 7 + length])
+        pos += 7 + length
+    return b"".join(out)
+
+
 def test_an_offline_wandb_run_copied_elsewhere_holds_every_media_file(tmp_path, monkeypatch):
     """logger=wandb offline, W&B's own directories (its staging area) outside the run dir: nothing is staged there and
     the run's record names no file outside the run's files (an offline run's tables are files of the run, not
@@ -320,7 +342,7 @@ def test_an_offline_wandb_run_copied_elsewhere_holds_every_media_file(tmp_path, 
     shutil.rmtree(run_dir)
     shutil.rmtree(home)
     (sync_dir,) = copy.glob("wandb/offline-run-*")
-    record = next(sync_dir.glob("run-*.wandb")).read_bytes()
+    record = _record_payloads(next(sync_dir.glob("run-*.wandb")))
     assert b"run_table" not in record and b"artifacts" not in record  # no artifact to upload
     # the only absolute path in the record is the run's root directory, no file under it or elsewhere
     assert set(re.findall(re.escape(str(tmp_path).encode()) + rb"[\x21-\x7e]*", record)) <= {
@@ -328,7 +350,7 @@ def test_an_offline_wandb_run_copied_elsewhere_holds_every_media_file(tmp_path, 
     # the history names the panels' and the tables' files by their paths in the run's files: all in the copy
     files_dir = sync_dir / "files"
     named = set(re.findall(rb'media/(?:images|videos|table)/[\w/.-]+?\.(?:png|mp4|gif|table\.json)', record))
-    assert len(named) == 4 + 3 + 2
+    assert len(named) == 4 + 3 + 2, sorted(named)
     for path in named:
         assert (files_dir / path.decode()).is_file(), path
 
@@ -437,7 +459,7 @@ def test_a_marked_window_is_shown_and_barred_under_exactly_its_frames(tmp_path):
 def test_gallery_jobs_spread_over_tags_then_prompts():
     """A tag-ordered held-out set whose first prompt has many seeds: the gallery still shows every tag, distinct
     prompts within a tag before a second seed of any, the same choice every time."""
-    from flowgrpo.build import PromptSet
+    from flowgrpo.builders import PromptSet
     from flowgrpo.evaluation import gallery_jobs
 
     tags = ["single_object"] + ["two_object"] * 3 + ["counting"] * 2 + ["colors"]
@@ -557,7 +579,7 @@ def test_the_html_index_links_every_gallery_file_and_nothing_missing(tmp_path):
 
 
 def test_logger_choices_are_the_trackers_and_a_missing_package_is_named(tmp_path, monkeypatch):
-    from flowgrpo.build.logger import TRACKERS
+    from flowgrpo.builders.logger import TRACKERS
     from flowgrpo.config import LoggerConfig
 
     conf = Path(__file__).resolve().parents[1] / "conf" / "logger"
