@@ -102,7 +102,7 @@ def train(config: Sequence[str] | DictConfig | None = None, *, reward: Callable 
     Raises:
         ValueError: the config chooses another reward (``reward=multi``) and ``reward=`` is given too.
     """
-    from .build.reward import given_reward
+    from .builders.reward import given_reward
     from .cli import main as run
 
     if isinstance(config, DictConfig):

@@ -268,7 +268,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         validate(cfg)
         from accelerate import Accelerator
 
-        from .build import check_config
+        from .builders import check_config
 
         accelerator = Accelerator(mixed_precision=cfg.trainer.mixed_precision, cpu=not torch.cuda.is_available())
         check_config(cfg, accelerator.num_processes)  # batch arithmetic, reward ↔ model, sizes: before any run dir

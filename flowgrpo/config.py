@@ -11,7 +11,7 @@ group file extends it through its own defaults list (``defaults: [base_model, _s
 Choices and ranges that OmegaConf cannot express (it has no ``Literal``; its Enums would turn ``"dpm++2m"``
 into an invalid identifier and hand Enum objects to the trainer) are declared on the field itself —
 ``field(metadata={"choices": (...)})``, ``{"ge": 1}`` — and checked by :func:`validate`, whose errors name
-the full key too (``sampler.kernel='foo' is not one of ...``). ``flowgrpo.build`` and ``flowgrpo.cli`` call it
+the full key too (``sampler.kernel='foo' is not one of ...``). ``flowgrpo.builders`` and ``flowgrpo.cli`` call it
 before anything is built, so a typo fails in a second, not after the model has loaded.
 
 Importing this module registers the schemas (idempotent).
@@ -298,7 +298,7 @@ class TrainerConfig:
     """The loop's budget, batch arithmetic, optimisation and bookkeeping (``conf/trainer/``).
 
     Batch sizes are **global** (all processes together); per-process values are derived, printed at start
-    and asserted by ``flowgrpo.build.batch_plan``.
+    and asserted by ``flowgrpo.builders.batch_plan``.
     """
 
     iterations: int = _knob(100, ge=1)  # GRPO iterations (rollout + update rounds)

@@ -42,7 +42,7 @@ import torch
 
 from rewards import geneval_prefixes, geneval_summary
 
-from .build import PromptSet, tag_rows
+from .builders import PromptSet, tag_rows
 from .seeding import EVAL_STREAM, TEST_STREAM, seeded_generator
 
 __all__ = [
@@ -169,7 +169,7 @@ def generate(
         prompts: one prompt per sample.
         generators: one generator per sample; each draws its sample's initial noise.
         sigmas: the ``[T+1]`` schedule (``Sampler.eval_sigmas``).
-        model_kw: :func:`flowgrpo.build.model_kwargs` of the model node (size, guidance, negative prompt, T5 length).
+        model_kw: :func:`flowgrpo.builders.model_kwargs` of the model node (size, guidance, negative prompt, T5 length).
         autocast: a context-manager factory around each velocity (the trainer's ``accelerator.autocast``).
     """
     return adapter.generate(prompts, metadata, generators, sigmas=sigmas, model_kw=model_kw, autocast=autocast)

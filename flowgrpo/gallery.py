@@ -42,7 +42,7 @@ Each call writes, always (so a run with ``logger=none`` can still be looked at):
 
 and then hands the gallery (a :class:`GalleryPage`) to the run's logger, if any: ``RunLogger.log_gallery`` logs it as
 its backend shows galleries (W&B: a table and a captioned media panel; TensorBoard: the grid, a caption table and GIF
-clips; see :mod:`flowgrpo.build.logger`), at ``step`` (log it no later than the scalars of that step: W&B drops steps
+clips; see :mod:`flowgrpo.builders.logger`), at ``step`` (log it no later than the scalars of that step: W&B drops steps
 that go back). A NaN reward component (a tag it does not apply to) is an empty cell.
 
 Media arrive as float in [0, 1] (uint8 accepted) and are stored as ``round(x · 255)`` uint8, the rounding of
@@ -306,7 +306,7 @@ def _rows(batch: int, max_rows: int, group_size: int | None) -> torch.Tensor:
 
 @dataclass
 class GalleryPage:
-    """One gallery as a logger backend receives it (:meth:`flowgrpo.build.RunLogger.log_gallery`); its files are
+    """One gallery as a logger backend receives it (:meth:`flowgrpo.builders.RunLogger.log_gallery`); its files are
     written.
 
     Attributes:
@@ -361,7 +361,7 @@ class Gallery:
 
     Args:
         out_dir: the run directory.
-        logger: a :class:`flowgrpo.build.RunLogger` (any backend), or None for files only.
+        logger: a :class:`flowgrpo.builders.RunLogger` (any backend), or None for files only.
         max_rows: samples per gallery: the first ones of the batch, or, when ``log`` is given ``group_size``,
             spread over every group (at least one per group, so more than ``max_rows`` when there are more groups).
         fps: frame rate of the videos (files and logger).

@@ -1,6 +1,6 @@
 """Where a config's paths point: :data:`REPO_ROOT`, :func:`resolve_path` (an existing local path, relative ones
 under the working directory, then the repository root) and :func:`looks_local` (a path clearly meant as local rather
-than a hub id). The builders (:mod:`flowgrpo.build`) and the model loaders (:mod:`flowgrpo.models`) share this rule;
+than a hub id). The builders (:mod:`flowgrpo.builders`) and the model loaders (:mod:`flowgrpo.models`) share this rule;
 this module imports nothing of the package.
 """
 

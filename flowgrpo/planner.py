@@ -466,7 +466,7 @@ def arch_dir(pretrained: str) -> Path:
     Raises:
         FileNotFoundError: naming ``model.pretrained`` and the folder to add.
     """
-    from .build import resolve_path
+    from .builders import resolve_path
 
     local = resolve_path(pretrained) if not pretrained.startswith(("tiny-random:", "random-init:")) else None
     if local is not None and (local / "model_index.json").is_file():
@@ -810,7 +810,7 @@ def plan_run(cfg: DictConfig, *, num_processes: int = 1, gpu: str = "h100", laun
         switch_frames: a streaming model's prompt switches (pixel frames) in the streams it plans when the run's
             prompt file (``data.train_file``) is not at hand; ``None``: the file's first streams, else one segment.
     """
-    from .build import batch_plan, build_sampler, model_kwargs
+    from .builders import batch_plan, build_sampler, model_kwargs
     from .algorithms import Batch, build_algorithm
     from .finetune import EMA, frozen_reference, prepare_trainable
     from .models import FlowAdapter, StreamAdapter

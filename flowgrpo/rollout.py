@@ -55,7 +55,7 @@ class SamplingModel:
         adapter: the model adapter (``flowgrpo.models``); its transformer is whatever weights are live when a
             velocity is called.
         guidance: the velocity's guidance keywords (``guidance_scale`` and the family's own;
-            ``flowgrpo.build.model_kwargs``' ``guidance``).
+            ``flowgrpo.builders.model_kwargs``' ``guidance``).
         size: ``prepare_noise``'s size keywords (``height``, ``width``, ``num_frames``).
         autocast: a context factory every velocity call runs in (``accelerator.autocast``).
     """

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .advantages import advantage_stats, component_group_stats
 from .algorithms import Batch, Scores, build_algorithm
-from .build import (batch_plan, build_adapter, build_aggregator, build_logger, build_sampler, check_output_dir,
+from .builders import (batch_plan, build_adapter, build_aggregator, build_logger, build_sampler, check_output_dir,
                     checkpoint_bytes, model_kwargs, preflight, prompt_pools)
 from .checkpoint import CheckpointManager, GracefulStop, atomic_write_text
 from .context import TrainerContext

@@ -8,7 +8,7 @@ function ``fn(images, prompts, metadata) -> list[float] | Tensor | RewardOutput`
 
 A reward class may declare what it scores as a class attribute ``modality = "video" | "image" | "any"``; a
 trainer refuses a video reward with an image model (and the reverse) before loading weights
-(:func:`flowgrpo.build.check_reward_model`, which reads ``video_*`` names as video and the rest as image when the
+(:func:`flowgrpo.builders.check_reward_model`, which reads ``video_*`` names as video and the rest as image when the
 attribute is absent).
 
 A reward whose rules may change declares ``version`` (an int, raised whenever the same input would score

@@ -57,7 +57,7 @@ import torch
 from PIL import Image
 
 from flowgrpo import jsonio
-from flowgrpo.build import batch_plan, build_adapter, build_prompts, build_reward, build_sampler, model_kwargs, tag_rows
+from flowgrpo.builders import batch_plan, build_adapter, build_prompts, build_reward, build_sampler, model_kwargs, tag_rows
 from flowgrpo.evaluation import held_out_jobs, score_jobs
 from flowgrpo.gallery import labelled_grid, to_uint8
 from rewards import geneval_prefixes

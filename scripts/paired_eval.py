@@ -77,7 +77,7 @@ def score(trainer, jobs, prompts, stream) -> dict[str, list[float]]:
 def evaluate_run(run: Path, args, base_cache: dict) -> dict:
     from omegaconf import OmegaConf
 
-    from flowgrpo.build import checked_prompts
+    from flowgrpo.builders import checked_prompts
     from flowgrpo.evaluation import EVAL_STREAM, TEST_STREAM, held_out_jobs
     from flowgrpo.trainer import Trainer
 

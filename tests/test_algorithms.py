@@ -18,7 +18,7 @@ from flowgrpo.algorithms import (ALGORITHMS, FlashGRPO, GRPO, MixGRPO, RolloutPl
                                  reduce_log_prob)
 from flowgrpo.algorithms.grpo import DanceGRPO, GRPOConfig
 from flowgrpo.algorithms.mix_grpo import default_window_size
-from flowgrpo.build import REPO_ROOT, batch_plan, build_sampler
+from flowgrpo.builders import REPO_ROOT, batch_plan, build_sampler
 from flowgrpo.config import ConfigError, validate
 from samplers import (SDEWindow, compress_tail, flow_sigmas, kernel_lambda, rectification_weights, rollout,
                       sde_step)

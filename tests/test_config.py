@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 import rewards
 from flowgrpo.algorithms import ALGORITHMS, build_algorithm
-from flowgrpo.build import (REPO_ROOT, Sampler, batch_plan, build_adapter, build_logger, build_prompts, build_reward,
+from flowgrpo.builders import (REPO_ROOT, Sampler, batch_plan, build_adapter, build_logger, build_prompts, build_reward,
                             build_sampler, model_kwargs)
 from flowgrpo.config import GROUP_SCHEMAS, ConfigError, algo_schema, steps_line, validate
 
@@ -494,7 +494,7 @@ def test_data_configs_instantiate(hydra_compose, prompt_files):
 def test_loggers_instantiate(hydra_compose, name, tmp_path, monkeypatch):
     import importlib.util
 
-    from flowgrpo.build.logger import TRACKERS
+    from flowgrpo.builders.logger import TRACKERS
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     cfg = hydra_compose([f"logger={name}"])
@@ -621,7 +621,7 @@ def test_train_py_end_to_end_on_the_tiny_twin(tmp_path, monkeypatch, capsys):
 
 
 def test_tag_balanced_prompt_pools():
-    from flowgrpo.build import PromptSet, prompt_pools
+    from flowgrpo.builders import PromptSet, prompt_pools
 
     meta = [{"tag": "a"}, {"tag": "b"}, {"tag": "a"}, {"tag": "c"}]
     ps = PromptSet(["p0", "p1", "p2", "p3"], meta, "mem")

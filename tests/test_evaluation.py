@@ -182,7 +182,7 @@ def test_two_processes_score_the_held_out_jobs_of_one(tmp_path):
 def test_eval_scalars_report_the_reward_per_metadata_tag():
     """Held-out rows of several tags (one- and two-object streams): the reward per tag beside the overall mean,
     computed over that tag's rows only; one tag, or no metadata: no per-tag keys."""
-    from flowgrpo.build import PromptSet
+    from flowgrpo.builders import PromptSet
     from flowgrpo.evaluation import EvalSamples
 
     tags = ["one", "two", "one", "two", "one"]

@@ -119,6 +119,6 @@ def test_the_circle_check_finds_a_circle():
 
 def test_the_graph_sees_function_level_and_package_imports():
     graph = import_graph()
-    assert "flowgrpo.models" in graph["flowgrpo.build.model"]  # `from ..models import load_adapter` in a function
+    assert "flowgrpo.models" in graph["flowgrpo.builders.model"]  # `from ..models import load_adapter` in a function
     assert "flowgrpo.algorithms" in graph["flowgrpo.trainer"]  # the package, run before its submodules
     assert "flowgrpo.seeding" in graph["flowgrpo.rollout"]

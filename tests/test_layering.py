@@ -44,7 +44,7 @@ def test_the_loop_the_rollout_engine_and_the_builders_name_no_algorithm():
     assert {"grpo", "kvpo", "flash_grpo", "grpo_guard"} <= set(options)
     named = re.compile(r"\b(%s)\b" % "|".join(options))  # option names are lower case; "GRPO" is the family
     files = [REPO / "flowgrpo" / "trainer.py", REPO / "flowgrpo" / "rollout.py",
-             *sorted((REPO / "flowgrpo" / "build").glob("*.py"))]
+             *sorted((REPO / "flowgrpo" / "builders").glob("*.py"))]
     found = [f"{f.relative_to(REPO)}:{line}: {m.group(0)}" for f in files for line, word in _code_words(f)
              for m in named.finditer(word)]
     assert not found, "an algorithm is named where only the contract should be: " + "; ".join(found)

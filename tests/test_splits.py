@@ -68,7 +68,7 @@ def test_the_test_noise_is_not_the_validation_noise():
 def test_a_streams_test_set_shares_no_prompt_sequence_with_training_or_validation(data):
     from hydra import compose, initialize_config_dir
 
-    from flowgrpo.build import build_prompts
+    from flowgrpo.builders import build_prompts
     from flowgrpo.world import sequence_key
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

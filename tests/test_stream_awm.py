@@ -456,7 +456,7 @@ def test_taros_on_the_long_video_aspects_through_the_trainer(tmp_path):
     update reads advantages whatever made them); a long-video reward that scores one aspect has nothing to take apart
     and is refused, before and after it is built."""
     import rewards
-    from flowgrpo.build.reward import build_aggregator
+    from flowgrpo.builders.reward import build_aggregator
     from flowgrpo.trainer import Trainer
     from rewards.aggregate import TaRoS
     from rewards.streams import COMPONENTS

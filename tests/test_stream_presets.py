@@ -26,7 +26,7 @@ from peft import LoraConfig, get_peft_model
 from PIL import Image
 from test_wan_checkpoints import block_linears, longlive_lora, original_layout  # tests/test_wan_checkpoints.py
 
-from flowgrpo.build import REPO_ROOT, build_adapter
+from flowgrpo.builders import REPO_ROOT, build_adapter
 from flowgrpo.config import ConfigError, StreamModelConfig, validate
 from flowgrpo.models import StreamingWanPipeline, build_tiny_pipeline, load_stream_pipeline
 from flowgrpo.models.stream_load import MODEL_KEYS, stream_config_of

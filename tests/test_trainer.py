@@ -521,7 +521,7 @@ def test_evaluations_run_where_the_config_asks_and_nowhere_else(tmp_path, every,
 
 
 def test_evaluation_scores_several_seeds_per_prompt_and_reports_the_geneval_overall(tmp_path):
-    from flowgrpo.build import PromptSet
+    from flowgrpo.builders import PromptSet
     from flowgrpo.evaluation import eval_seed_counts, held_out_jobs
 
     ps = PromptSet(list("abcd"), [{"tag": "x"}, {"tag": "y"}, {"tag": "y"}, {"tag": "y"}], "mem")

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 
 import flowgrpo.config  # noqa: F401  (registers the schemas)
 import flowgrpo.trainer as trainer_module
-from flowgrpo.build import check_output_dir, check_reward_model, reward_modality
+from flowgrpo.builders import check_output_dir, check_reward_model, reward_modality
 from flowgrpo.trainer import Trainer
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -107,7 +107,7 @@ def test_an_unwritable_output_dir_fails_at_set_up_naming_it(tmp_path, no_model):
 
 def test_too_little_free_space_for_a_checkpoint_fails_naming_the_dir(tmp_path, monkeypatch):
     import collections
-    import flowgrpo.build.checks as build
+    import flowgrpo.builders.checks as build
 
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(build.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 2**20, 2**20))
@@ -130,7 +130,7 @@ def test_a_size_the_pipeline_cannot_generate_fails_before_the_model_loads(tmp_pa
 
 
 def test_every_shipped_pipeline_accepts_its_own_sizes():
-    from flowgrpo.build import check_sizes, size_multiples
+    from flowgrpo.builders import check_sizes, size_multiples
 
     for model in ("sd3_shapes", "wan_shapes", "causal_wan_shapes"):
         cfg = compose_cfg(f"model={model}")

@@ -375,7 +375,7 @@ def test_summaries_report_overall_and_per_tag_for_video_tags():
 def test_config_builds_the_reward():
     from hydra import compose, initialize_config_dir
 
-    from flowgrpo.build import build_reward
+    from flowgrpo.builders import build_reward
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["reward=video_geneval"])

@@ -3,7 +3,7 @@
 No weights are downloaded. Each preset is composed with ``model.pretrained`` pointing at a tiny random twin of its
 layout saved with ``save_pretrained`` (Wan 2.1: 16 latent channels, x8 VAE, one timestep per sample; Wan 2.2
 TI2V-5B: 48 latent channels, the x16 patchifying VAE, per-token timesteps) and loaded by the trainer's own path
-(``flowgrpo.build.build_adapter``). The adapter's velocity must be what the pipeline's transformer computes with the
+(``flowgrpo.builders.build_adapter``). The adapter's velocity must be what the pipeline's transformer computes with the
 pipeline's own timestep layout, and a short rollout must reproduce ``pipe(...)``. The experiments' numbers are
 checked against each other and against a memory estimate from the published parameter counts (meta device).
 """
@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 import rewards
 import samplers
-from flowgrpo.build import REPO_ROOT, batch_plan, build_adapter, model_kwargs
+from flowgrpo.builders import REPO_ROOT, batch_plan, build_adapter, model_kwargs
 from flowgrpo.config import validate
 from flowgrpo.models import WanAdapter, build_tiny_pipeline
 

@@ -126,7 +126,7 @@ def test_several_rewards_with_the_users_own(project, calls, monkeypatch):
     ``MultiReward`` trains under TaRoS (the paper's: it logs its softmax weights) and logs each term."""
     import flowgrpo
     import flowgrpo.api
-    from flowgrpo.build import build_aggregator, build_reward
+    from flowgrpo.builders import build_aggregator, build_reward
     from flowgrpo.config import validate
 
     command = block("**With other rewards.**", "bash")

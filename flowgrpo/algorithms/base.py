@@ -563,7 +563,7 @@ def build_algorithm(algo_cfg, sampler_cfg, base_sigmas: torch.Tensor, *, chunks:
     Args:
         algo_cfg: the ``algo`` node (the algorithm's schema, an ``AlgoConfig`` subclass).
         sampler_cfg: the ``sampler`` node (``flowgrpo.config.SamplerConfig``): kernel, noise level, solver.
-        base_sigmas: ``[sampler.num_steps + 1]`` training schedule (``flowgrpo.build.Sampler.sigmas``: the model
+        base_sigmas: ``[sampler.num_steps + 1]`` training schedule (``flowgrpo.builders.Sampler.sigmas``: the model
             scheduler's own).
         chunks: the chunks a sample is generated in (``adapter.num_chunks``: 1, or a streaming model's blocks).
         aggregator: a multi-component reward's aggregator (``reward.aggregate``), handed to phase 4.
@@ -581,5 +581,5 @@ def build_algorithm(algo_cfg, sampler_cfg, base_sigmas: torch.Tensor, *, chunks:
     sigmas = torch.as_tensor(base_sigmas, dtype=torch.float32)
     if sigmas.ndim != 1 or sigmas.shape[0] != sampler_cfg.num_steps + 1:
         raise ValueError(f"base_sigmas has shape {tuple(sigmas.shape)}; sampler.num_steps={sampler_cfg.num_steps} "
-                         f"needs [{sampler_cfg.num_steps + 1}] (build it with flowgrpo.build.build_sampler)")
+                         f"needs [{sampler_cfg.num_steps + 1}] (build it with flowgrpo.builders.build_sampler)")
     return ALGORITHMS[algo_cfg.name].from_config(algo_cfg, sampler_cfg, sigmas, chunks=chunks, aggregator=aggregator)

@@ -1,19 +1,19 @@
 """Turn composed config nodes (``conf/``, schemas in :mod:`flowgrpo.config`) into the objects a run uses, one module
 per job:
 
-- :mod:`~flowgrpo.build.model` — the model adapter (:func:`build_adapter`), its call keywords (:func:`model_kwargs`);
-- :mod:`~flowgrpo.build.sampler` — the schedules, kernel and solver (:func:`build_sampler`);
-- :mod:`~flowgrpo.build.reward` — the reward (:func:`build_reward`) and a multi-component reward's aggregator
+- :mod:`~flowgrpo.builders.model` — the model adapter (:func:`build_adapter`), its call keywords (:func:`model_kwargs`);
+- :mod:`~flowgrpo.builders.sampler` — the schedules, kernel and solver (:func:`build_sampler`);
+- :mod:`~flowgrpo.builders.reward` — the reward (:func:`build_reward`) and a multi-component reward's aggregator
   (:func:`build_aggregator`);
-- :mod:`~flowgrpo.build.prompts` — the prompt sets (:func:`build_prompts`, :func:`prompt_pools`);
-- :mod:`~flowgrpo.build.checks` — the checks that need no weights (:func:`preflight`, :func:`check_config`);
-- :mod:`~flowgrpo.build.logger` — scalar logging (:func:`build_logger`);
-- :mod:`~flowgrpo.build.batch` — the batch arithmetic (:func:`batch_plan`).
+- :mod:`~flowgrpo.builders.prompts` — the prompt sets (:func:`build_prompts`, :func:`prompt_pools`);
+- :mod:`~flowgrpo.builders.checks` — the checks that need no weights (:func:`preflight`, :func:`check_config`);
+- :mod:`~flowgrpo.builders.logger` — scalar logging (:func:`build_logger`);
+- :mod:`~flowgrpo.builders.batch` — the batch arithmetic (:func:`batch_plan`).
 
 Where relative paths point is :mod:`flowgrpo.paths`' rule (:data:`REPO_ROOT`, :func:`resolve_path`), shared with
 the model loaders.
 
->>> from flowgrpo.build import build_adapter, build_sampler, build_reward, build_prompts, batch_plan
+>>> from flowgrpo.builders import build_adapter, build_sampler, build_reward, build_prompts, batch_plan
 >>> adapter = build_adapter(cfg.model)                       # doctest: +SKIP
 >>> sampler = build_sampler(cfg.sampler, adapter=adapter, model=cfg.model)  # doctest: +SKIP
 >>> print(batch_plan(cfg, num_processes=2).banner())        # doctest: +SKIP

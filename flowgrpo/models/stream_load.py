@@ -130,7 +130,7 @@ def load_stream_pipeline(
     if m.family != "causal_wan":
         raise ValueError(f"model.family={m.family!r} is not a streaming model: load_stream_pipeline takes "
                          f"model.family='causal_wan' (e.g. model=self_forcing_wan); load the others with "
-                         f"flowgrpo.build.build_adapter")
+                         f"flowgrpo.builders.build_adapter")
     config = stream_config_of(m)
     s = m.stream
     pretrained = _required(m, "pretrained", "model.pretrained",
