@@ -80,7 +80,7 @@ def forward_peaks(trainer, n: int) -> tuple[int, int]:
     all real, the text conditioning's, run for real: a few small tensors)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .planner import MemoryTracker
+    from .memory import MemoryTracker
 
     c, adapter, guidance = trainer.cfg.model, trainer.adapter, trainer.model_kw["guidance"]
     cond = trainer._encode([""]).repeat_interleave(n)
