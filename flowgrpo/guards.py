@@ -70,7 +70,8 @@ def degenerate_flags(samples: torch.Tensor, max_side: int = 128) -> torch.Tensor
     return torch.tensor([flag is not None for flag in flags], dtype=torch.float32)
 
 
-#: forward fits already measured, by model set-up (the tests build many trainers of one model)
+#: forward fits already measured in this process, by model set-up: a process that builds several trainers of one
+#: model (scripts/bench_iteration.py's configurations side by side, a sweep, the tests) measures it once
 _FORWARD_FITS: dict[str, tuple | None] = {}
 
 
