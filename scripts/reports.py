@@ -51,7 +51,7 @@ STUDIES = [Study(slug, title, what, members.split()) for slug, title, what, memb
      "stream_awm_test streaming_rl streaming_rl_paired streaming_rl_lr1e-4_paired stream_one_object "
      "stream_awm_reference stream_awm_batch_paired stream_awm_lr1e-5_paired stream_awm_tuning stream_awm_drift"),
     ("kvpo", "KVPO", "KVPO's forks, exploration, EMA and objective ablation, on paired held-out videos",
-     "kvpo_branch_spread resume_gate_base kvpo_forks kvpo_forks_more kvpo_paired kvpo_preset_400 kvpo_48 kvpo_exploration"),
+     "kvpo_branch_spread kvpo_branch_control resume_gate_base kvpo_forks kvpo_forks_more kvpo_paired kvpo_preset_400 kvpo_48 kvpo_exploration"),
     ("performance", "Performance", "Seconds per iteration and per phase of each algorithm (image and video), and "
      "streaming generation with and without the KV cache", "bench_iteration_cpu bench_iteration_cpu_vae_bf16 "
      "bench_iteration_cpu_flash_fast bench_iteration_cpu_flash_shared bench_iteration_cpu_step_synchronous "
