@@ -64,8 +64,8 @@ from flowgrpo.models import CausalWan, StreamConfig, StreamingWanPipeline  # noq
 from flowgrpo.models.causal_wan import teacher_forcing_mask  # noqa: E402
 from flowgrpo.models.stream_adapter import StreamAdapter  # noqa: E402
 from flowgrpo.models.stream_pipeline import STREAM_CONFIG_NAME  # noqa: E402
-from flowgrpo.world.resume import resume_held_out_sequences, sample_resume_metadata  # noqa: E402
-from flowgrpo.world.streams import STREAM_NUM_FRAMES, held_out_sequences, latent_segments, sample_stream_metadata, \
+from flowgrpo.world.resume import resume_held_out_sequences, sample_training_stream  # noqa: E402
+from flowgrpo.world.streams import STREAM_NUM_FRAMES, held_out_sequences, latent_segments, \
     sequence_key  # noqa: E402
 from samplers import chunked_rollout, stream_sde_mask, stream_sigmas  # noqa: E402
 
@@ -156,8 +156,7 @@ def training_metas(rng: np.random.Generator, n: int, num_frames: int, resume_sha
     streams (:mod:`flowgrpo.world.resume`)."""
     held_out, metas = held_out_sequences() | resume_held_out_sequences(), []
     while len(metas) < n:
-        resume = bool(resume_share) and float(rng.random()) < resume_share  # no draw at 0: the asset's stream
-        meta = sample_resume_metadata(rng, num_frames) if resume else sample_stream_metadata(rng, num_frames)
+        meta = sample_training_stream(rng, num_frames, resume_share)  # at 0: the shipped asset's draws
         if sequence_key(meta) not in held_out:
             metas.append(meta)
     return metas

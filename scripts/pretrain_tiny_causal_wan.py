@@ -55,14 +55,13 @@ from flowgrpo import jsonio  # noqa: E402
 from flowgrpo.models import CausalWan, StreamConfig  # noqa: E402
 from flowgrpo.models.causal_wan import teacher_forcing_mask  # noqa: E402
 from flowgrpo.models.stream_pipeline import STREAM_CONFIG_NAME  # noqa: E402
-from flowgrpo.world.resume import corrupt_resume_stream, resume_held_out_sequences, sample_resume_metadata  # noqa: E402
+from flowgrpo.world.resume import resume_held_out_sequences, sample_training_stream  # noqa: E402
 from flowgrpo.world.streams import (  # noqa: E402
     STREAM_NUM_FRAMES,
     corrupt_stream,
     latent_segments,
     render_stream,
     held_out_sequences,
-    sample_stream_metadata,
     sequence_key,
     stream_fits,
 )
@@ -91,14 +90,13 @@ def render_streams(rng: np.random.Generator, n: int, exclude: set, num_frames: i
     (:mod:`flowgrpo.world.resume`)."""
     clips, metas = [], []
     while len(metas) < n:
-        resume = bool(resume_share) and float(rng.random()) < resume_share  # no draw at 0: the asset's stream
-        meta = sample_resume_metadata(rng, num_frames) if resume else sample_stream_metadata(rng, num_frames)
+        meta = sample_training_stream(rng, num_frames, resume_share)  # at 0: the shipped asset's draws
         if sequence_key(meta) in exclude:
             continue
         shown = meta
         if opposite or still:
             for _ in range(20):
-                candidate = (corrupt_resume_stream if resume else corrupt_stream)(meta, rng, opposite, still)
+                candidate = corrupt_stream(meta, rng, opposite, still)
                 if stream_fits(candidate):
                     shown = candidate
                     break

@@ -149,19 +149,19 @@ def test_resume_components_only_where_a_stream_resumes():
 
 
 def test_the_caption_flaw_resumes_from_the_motion_shown_before_the_pause():
-    from flowgrpo.world import corrupt_resume_stream
+    from flowgrpo.world import corrupt_stream
 
     opposite = {"left": "right", "right": "left", "up": "down", "down": "up"}
     for seed in range(10):
         meta = sample_resume_metadata(seed)
         rng = np.random.default_rng(seed)
-        clean = corrupt_resume_stream(meta, rng, 0.0, 0.0)
+        clean = corrupt_stream(meta, rng, 0.0, 0.0)
         assert [segment_asks(s) for s in clean["segments"]] == [segment_asks(s) for s in meta["segments"]]
-        flipped = corrupt_resume_stream(meta, rng, 1.0, 0.0)  # every motion shown the other way ...
+        flipped = corrupt_stream(meta, rng, 1.0, 0.0)  # every motion shown the other way ...
         last = segment_asks(flipped["segments"][1])[0][0]
         assert last == opposite[segment_asks(meta["segments"][1])[0][0]]
         assert segment_asks(flipped["segments"][3])[0][0] == opposite[last]  # ... the resume of the shown one too
-        frozen = corrupt_resume_stream(meta, rng, 0.0, 1.0)
+        frozen = corrupt_stream(meta, rng, 0.0, 1.0)
         assert all(segment_asks(s)[0][0] == "still" for s in frozen["segments"])
         validate_stream_metadata(flipped, require_switches=False)  # renderable metadata (no resume flag left)
         render_stream(frozen, rng=rng)

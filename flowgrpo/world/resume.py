@@ -23,7 +23,9 @@ Layouts: switches start at pixel frames ``4m + 1`` (as every stream's), *before*
 
 :func:`split_resume_prompts` draws distinct prompt sequences into train / validation / test sets
 (``assets/prompts/resume_{train,val,test}.jsonl``, written by ``scripts/make_prompts.py``);
-:func:`corrupt_resume_stream` is pretraining's caption flaw on a resume stream.
+:func:`sample_training_stream` draws pretraining's captions, a share of them resume streams, and
+:func:`~flowgrpo.world.streams.corrupt_stream` gives their caption flaw (a resumed segment starts from the motion
+shown before its pause).
 """
 
 from __future__ import annotations
@@ -37,22 +39,23 @@ import numpy as np
 
 from rewards.streams import segment_asks
 
-from .motion import corrupt_motion, motion_metadata_for, motion_prompt_for
+from .motion import motion_metadata_for, motion_prompt_for
 from .render import CLASSES, PALETTE
 from .streams import (
     MAX_SPAN,
-    corrupt_stream,
     MIN_SEGMENT,
     STREAM_NUM_FRAMES,
     TEMPORAL_COMPRESSION,
+    _distinct_streams,
     _min_spans,
     _sample_segment,
+    sample_stream_metadata,
     sequence_key,
     stream_metadata_for,
 )
 
-__all__ = ["RESUME_PAUSE", "corrupt_resume_stream", "resume_held_out_sequences", "resume_layouts", "resume_prompt_for",
-           "sample_resume_metadata", "split_resume_prompts"]
+__all__ = ["RESUME_PAUSE", "resume_held_out_sequences", "resume_layouts", "resume_prompt_for", "sample_resume_metadata",
+           "sample_training_stream", "split_resume_prompts"]
 
 RESUME_PAUSE = 8  # frames: two latent frames, so a window of four latent frames still holds the motion before it
 
@@ -116,18 +119,7 @@ def split_resume_prompts(seed: int = 0, sizes: Sequence[int] = (300, 100, 100),
                          num_frames: int = STREAM_NUM_FRAMES) -> list[list[dict]]:
     """Disjoint sets of resume streams of distinct prompt sequences, seeded, of ``sizes`` (train, validation, test):
     one list of metadata per size, in generation order; no prompt sequence in two of them."""
-    rng = np.random.default_rng(seed)
-    seen: set = set()
-    rows: list[dict] = []
-    for _ in range(100 * sum(sizes)):
-        if len(rows) == sum(sizes):
-            break
-        meta = sample_resume_metadata(rng, num_frames)
-        if sequence_key(meta) not in seen:
-            seen.add(sequence_key(meta))
-            rows.append(meta)
-    else:
-        raise RuntimeError(f"could not draw {sum(sizes)} distinct resume streams")
+    rows = _distinct_streams(np.random.default_rng(seed), sum(sizes), num_frames, set(), sample=sample_resume_metadata)
     edges = np.cumsum([0, *sizes])
     return [rows[a:b] for a, b in zip(edges, edges[1:])]
 
@@ -139,19 +131,11 @@ def resume_held_out_sequences() -> frozenset[tuple[str, ...]]:
     return frozenset(sequence_key(m) for m in val + test)
 
 
-def corrupt_resume_stream(metadata: dict, rng: np.random.Generator, opposite: float, still: float) -> dict:
-    """What a mislabelled resume stream shows for its caption (``metadata``): every segment as
-    :func:`~flowgrpo.world.streams.corrupt_stream` shows it, except that a resumed segment starts from the motion
-    *shown* before its pause (what a model can see), then takes its own flaw (with probability ``opposite`` the
-    opposite way, with ``still`` no motion). Returns the metadata to render."""
-    shown = corrupt_stream(metadata, rng, opposite, still)
-    for k, seg in enumerate(metadata["segments"]):
-        if not seg.get("resume"):
-            continue
-        moved = [s for s in shown["segments"][:k] if any(c.get("motion") != "still" for c in s["include"])]
-        base = copy.deepcopy(seg)
-        if moved:  # the last motion shown before the pause (as drawn, its speed word kept)
-            base["include"] = [c | {"motion": m["motion"]} for c, m in zip(seg["include"], moved[-1]["include"])]
-        base.pop("resume", None)
-        shown["segments"][k] = {"start": seg["start"]} | corrupt_motion(base, rng, opposite, still)
-    return shown
+def sample_training_stream(rng: np.random.Generator, num_frames: int = STREAM_NUM_FRAMES,
+                           resume_share: float = 0.0) -> dict:
+    """A pretraining caption: a resume stream with probability ``resume_share``, else a stream of
+    :func:`~flowgrpo.world.streams.sample_stream_metadata`. At 0 nothing is drawn for the choice, so the draws are
+    exactly those of ``sample_stream_metadata``."""
+    if resume_share and float(rng.random()) < resume_share:
+        return sample_resume_metadata(rng, num_frames)
+    return sample_stream_metadata(rng, num_frames)

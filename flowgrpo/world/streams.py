@@ -346,14 +346,17 @@ def more_held_out_streams(n: int, seed: int, exclude: Sequence[dict], num_frames
     return _distinct_streams(np.random.default_rng(seed), n, num_frames, {sequence_key(m) for m in exclude}, **kwargs)
 
 
-def _distinct_streams(rng: np.random.Generator, n: int, num_frames: int, seen: set, **kwargs) -> list[dict]:
-    """``n`` streams (:func:`sample_stream_metadata` with ``kwargs``) whose prompt sequences differ from each other
-    and from ``seen`` (which gains theirs), in generation order; ``RuntimeError`` after ``100 n`` draws."""
+def _distinct_streams(rng: np.random.Generator, n: int, num_frames: int, seen: set, sample=None,
+                      **kwargs) -> list[dict]:
+    """``n`` streams (``sample``, :func:`sample_stream_metadata` by default, with ``kwargs``) whose prompt sequences
+    differ from each other and from ``seen`` (which gains theirs), in generation order; ``RuntimeError`` after
+    ``100 n`` draws."""
+    sample = sample or sample_stream_metadata
     rows: list[dict] = []
     for _ in range(100 * n):
         if len(rows) == n:
             return rows
-        meta = sample_stream_metadata(rng, num_frames, **kwargs)
+        meta = sample(rng, num_frames, **kwargs)
         if sequence_key(meta) not in seen:
             seen.add(sequence_key(meta))
             rows.append(meta)
@@ -561,9 +564,20 @@ def corrupt_stream(metadata: dict, rng: np.random.Generator, opposite: float, st
     segment -- per object of a segment that names a direction, with probability ``opposite`` it moves the
     opposite way and with probability ``still`` it does not move. Returns the metadata to *render* (prompts are
     the caption's); consecutive segments may then show the same motion, and the path may no longer fit
-    (:func:`stream_fits`)."""
+    (:func:`stream_fits`).
+
+    A resumed segment (``"resume": true``, told only to move "again" after a pause: :mod:`flowgrpo.world.resume`)
+    starts from the motion *shown* before its pause, what a model can see, then takes its own flaw."""
     shown = copy.deepcopy(metadata)
-    shown["segments"] = [{"start": s["start"]} | corrupt_motion(s, rng, opposite, still) for s in metadata["segments"]]
+    segments: list[dict] = []
+    for seg in metadata["segments"]:
+        if seg.get("resume"):
+            seg = {k: v for k, v in seg.items() if k != "resume"}
+            moved = [s for s in segments if any(c.get("motion") != "still" for c in s["include"])]
+            if moved:  # the last motion shown before the pause (the caption's speed word kept)
+                seg["include"] = [c | {"motion": m["motion"]} for c, m in zip(seg["include"], moved[-1]["include"])]
+        segments.append({"start": seg["start"]} | corrupt_motion(seg, rng, opposite, still))
+    shown["segments"] = segments
     return shown
 
 
