@@ -15,7 +15,8 @@ to the first resumed block; in the ``--blocks`` blocks from there (and their cac
 * ``older motion``: sink + the last ``n`` latent frames of the first segment (the other direction) + the frame just
   before the block,
 
-``n`` = window − block − 1, so every arm attends as many frames as the unrouted context (as KVPO's branches do).
+``n`` = window − block − 1, so every arm attends as many frames as the unrouted context: the two routed arms are the
+branches of a KVPO routing plan (``flowgrpo.algorithms.kvpo.routing``) forked at the first resumed block.
 Each video is scored by ``long_video``; per arm the mean of ``resume/direction``, ``resume/adherence`` and the
 scalar, and the paired differences (mean ± standard error over streams) of ``keeps last`` against ``older motion``
 and against ``own window``. The world is one where the frames attended decide when ``keeps last`` beats ``older
@@ -26,33 +27,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from branch_spread import mean_se  # noqa: E402
 from eval_streams import noise_for  # noqa: E402
 
 from flowgrpo import jsonio  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("own window", "keeps last", "older motion")
+BRANCH = {"own window": None, "keeps last": 0, "older motion": 1}  # the arms' branches of each stream's plan
 METRICS = ("resume/direction", "resume/adherence", "reward")
 
 
-def mean_se(values) -> dict:
-    v = np.asarray(values, dtype=float)
-    se = float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else math.nan
-    return {"mean": float(v.mean()), "se": se, "n": int(len(v))}
-
-
-def routes(meta: dict, wan, blocks: int) -> dict:
-    """Per arm a route for ``CausalWan.routed`` (None: unrouted), from the stream's latent segments."""
+def plan(meta: dict, wan, blocks: int):
+    """KVPO's routing plan (:class:`~flowgrpo.algorithms.kvpo.routing.RoutingPlan`) of a resume stream with two
+    branches: from its first resumed block, for ``blocks`` blocks, branch 0 attends the last latent frames of *last*,
+    branch 1 those of the first segment (each with the sink and the frame just before the block)."""
+    from flowgrpo.algorithms.kvpo.routing import RoutingPlan
     from flowgrpo.world import latent_segments
 
     seg = latent_segments(meta)
@@ -68,15 +66,8 @@ def routes(meta: dict, wan, blocks: int) -> dict:
     older = [f for f in range(sink, start) if seg[f] == 0][-n:]
     if len(last) < n or len(older) < n:
         raise SystemExit(f"a stream whose segments hold fewer than {n} latent frames: {meta['prompt']!r}")
-
-    def make(chosen: list[int]):
-        def route(frame_offset: int, num_frames: int, cached: list) -> list[int]:
-            if start <= frame_offset < start + blocks:
-                return [*range(sink), *chosen, frame_offset - 1]
-            return wan.context_positions(frame_offset, num_frames, cached)
-        return route
-
-    return {"own window": None, "keeps last": make(last), "older motion": make(older)}
+    return RoutingPlan(fork_frame=start, blocks=blocks, block_frames=bf, sink_frames=sink, window_frames=window,
+                       nearest_m=1, positions_per_branch=[last, older], pool_start=sink, pool_end=start - 1)
 
 
 def main(argv=None) -> dict:
@@ -94,6 +85,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
 
     import rewards
+    from flowgrpo.algorithms.kvpo.routing import stacked_route_fn
     from flowgrpo.models import StreamingWanPipeline
 
     t0 = time.perf_counter()
@@ -113,16 +105,11 @@ def main(argv=None) -> dict:
             T = int(metas[0]["num_frames"])
             draws = [noise_for(pipe, (args.seed, i, j), T, height, width) for i, j in chunk]
             noise, renoise = torch.cat([d[0] for d in draws]), torch.cat([d[1] for d in draws])
-            per_row = [routes(m, pipe.wan, args.blocks) for m in metas]
+            plans = [plan(m, pipe.wan, args.blocks) for m in metas]
             for arm in ARMS:
-                rows = [r[arm] for r in per_row]
-
-                def route(frame_offset, num_frames, cached, rows=rows):
-                    picked = [r(frame_offset, num_frames, cached) if r else
-                              pipe.wan.context_positions(frame_offset, num_frames, cached) for r in rows]
-                    return torch.tensor(picked) if len({tuple(x) for x in picked}) > 1 else picked[0]
-
-                with torch.no_grad(), pipe.wan.routed(None if arm == "own window" else route):
+                branch = BRANCH[arm]
+                route = None if branch is None else stacked_route_fn(plans, [branch] * len(plans))
+                with torch.no_grad(), pipe.wan.routed(route):
                     out = pipe([[s["prompt"] for s in m["segments"]] for m in metas], switch_frames=list(switches),
                                num_frames=T, height=height, width=width, noise=noise, renoise=renoise)
                 result = judge(out.videos, metadata=metas)
