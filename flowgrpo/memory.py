@@ -22,7 +22,8 @@ CATEGORIES = ("weights", "gradients", "optimizer", "activations", "other")
 
 
 def _real():
-    """Real tensors inside :func:`fake_mode`, for the few small values code reads back (schedules, plans)."""
+    """Real tensors inside fake mode (:func:`flowgrpo.planner.fake_mode`), for the few small values code reads back
+    (schedules, plans)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
@@ -182,7 +183,6 @@ class MemoryTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.track(t)
         return out
-
 
     def _real_unless_large(self, func, args, kwargs):
         """An op none of whose inputs is fake (a factory, or bookkeeping on real tensors): run real if its result is
